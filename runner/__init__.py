@@ -1,0 +1,3 @@
+"""runner: a declarative, YAML-driven training runner for causal language models."""
+
+__version__ = "0.1.0"

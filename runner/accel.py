@@ -1,0 +1,104 @@
+"""The only module that knows Accelerate's and DeepSpeed's knobs.
+
+Builds the Accelerator from the strategy and precision sub-specs, and checks after
+`prepare()` that what is engaged is what was asked for: Accelerate falls back
+silently on CPU (for example to unsynchronised copies), and we never do.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+MIXED_PRECISION = {PrecisionKind.fp32: "no", PrecisionKind.bf16: "bf16", PrecisionKind.fp16: "fp16"}
+ZERO_STAGE = {StrategyKind.zero2: 2, StrategyKind.zero3: 3}
+
+
+class EngagementError(RuntimeError):
+    """What Accelerate engaged differs from the spec."""
+
+
+def is_zero(strategy: StrategySpec) -> bool:
+    return strategy.kind in ZERO_STAGE
+
+
+def build_accelerator(
+    strategy: StrategySpec,
+    precision: PrecisionSpec,
+    grad_accum_steps: int,
+    max_grad_norm: float,
+    timeout_minutes: int = 30,
+) -> "Accelerator":
+    import torch
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    handlers: list[Any] = []
+    plugin = None
+    if is_zero(strategy):
+        plugin = DeepSpeedPlugin(
+            zero_stage=ZERO_STAGE[strategy.kind],
+            gradient_accumulation_steps=grad_accum_steps,
+            gradient_clipping=max_grad_norm if max_grad_norm > 0 else None,
+            offload_optimizer_device=strategy.offload_optimizer.value,
+            offload_param_device=strategy.offload_params.value if strategy.kind is StrategyKind.zero3 else "none",
+            zero3_save_16bit_model=strategy.zero3_save_16bit_model,
+            zero3_init_flag=False,  # the model is built (seeded) before the engine, as under DDP
+        )
+    if plugin is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Passing a backend makes Accelerate initialise a process group: only when distributed.
+        backend = "nccl" if cuda else "gloo"
+        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timedelta(minutes=timeout_minutes)))
+    return Accelerator(
+        # DDP on CPU needs cpu=True (else two unsynchronised copies); DeepSpeed on CPU
+        # needs cpu=False with a gloo process group.
+        cpu=(not cuda) and plugin is None,
+        mixed_precision=MIXED_PRECISION[precision.kind],
+        gradient_accumulation_steps=grad_accum_steps,
+        deepspeed_plugin=plugin,
+        kwargs_handlers=handlers,
+    )
+
+
+def describe(accelerator: "Accelerator") -> dict[str, Any]:
+    """What is in effect, for the banner and checks."""
+    state = accelerator.state
+    return {
+        "world_size": accelerator.num_processes,
+        "device": str(accelerator.device),
+        "distributed_type": str(state.distributed_type).split(".")[-1],
+        "mixed_precision": accelerator.mixed_precision,
+        "backend": getattr(state, "backend", None),
+    }
+
+
+def check_engaged(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec, world_size: int) -> None:
+    """Fail loudly when the prepared objects are not what the spec asked for."""
+    from accelerate.utils import DistributedType
+
+    problems: list[str] = []
+    if accelerator.num_processes != world_size:
+        problems.append(f"world size is {accelerator.num_processes}, expected {world_size}")
+    if accelerator.mixed_precision != MIXED_PRECISION[precision.kind]:
+        problems.append(f"mixed precision is {accelerator.mixed_precision}, expected {MIXED_PRECISION[precision.kind]}")
+    kind = accelerator.state.distributed_type
+    if is_zero(strategy):
+        stage = ZERO_STAGE[strategy.kind]
+        engaged = getattr(model, "zero_optimization_stage", None)
+        if kind != DistributedType.DEEPSPEED or not callable(engaged) or engaged() != stage:
+            problems.append(f"expected a DeepSpeed ZeRO-{stage} engine, got {type(model).__name__} ({kind})")
+    elif world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            problems.append(f"expected DistributedDataParallel, got {type(model).__name__} ({kind})")
+    if problems:
+        raise EngagementError("strategy not engaged as specified: " + "; ".join(problems))
+

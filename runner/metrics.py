@@ -1,0 +1,97 @@
+"""Rank-0 outputs: metrics.jsonl, the progress bar, results JSON and the end summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; a no-op on every rank but 0."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """A tqdm bar (rate and ETA) on rank 0; silent elsewhere."""
+
+    def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
+
+    def update(self, n: int = 1, **postfix: Any) -> None:
+        if self.bar is not None:
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(n)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
+
+
+def write_results(run_dir: Path, train: dict[str, Any], evaluation: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """run_clm's three files: train_results.json, eval_results.json, all_results.json."""
+    everything = dict(train)
+    (run_dir / "train_results.json").write_text(json.dumps(train, indent=2) + "\n")
+    if evaluation is not None:
+        (run_dir / "eval_results.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+        everything.update(evaluation)
+    (run_dir / "all_results.json").write_text(json.dumps(everything, indent=2, sort_keys=True) + "\n")
+    return everything
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def summary_table(results: dict[str, Any], run_dir: Path) -> str:
+    keys = [
+        ("train_loss", "train loss"),
+        ("eval_loss", "eval loss"),
+        ("perplexity", "perplexity"),
+        ("eval_accuracy", "token accuracy"),
+        ("train_steps", "optimizer steps"),
+        ("train_tokens", "tokens seen"),
+        ("train_runtime", "train time (s)"),
+        ("train_tokens_per_second", "tokens/s"),
+        ("train_samples_per_second", "samples/s"),
+    ]
+    rows = [(label, _fmt(results[key])) for key, label in keys if key in results]
+    width = max(len(label) for label, _ in rows)
+    value_width = max(len(v) for _, v in rows)
+    rule = "-" * (width + value_width + 5)
+    lines = ["runner: finished", rule]
+    lines += [f"  {label:<{width}}   {value:>{value_width}}" for label, value in rows]
+    lines += [rule, f"  outputs in {run_dir}  (model/, all_results.json, metrics.jsonl, loss_curves.png)"]
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""The batch arithmetic of a run, computed once and shown in the start banner."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    per_device_batch_size: int
+    grad_accum_steps: int
+    block_size: int
+    steps_per_epoch: int
+    total_steps: int
+    train_blocks: int
+    eval_blocks: int
+    parameters: int
+    strategy: str
+    precision: str
+    device: str
+    lr: float
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.per_device_batch_size * self.world_size * self.grad_accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.block_size
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / max(self.steps_per_epoch, 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step}
+
+
+def steps_per_epoch(batches_per_rank: int, grad_accum_steps: int) -> int:
+    """Optimizer steps in one pass: the last, short accumulation still steps
+    (Accelerate syncs at the end of the dataloader), as run_clm_no_trainer counts."""
+    return math.ceil(batches_per_rank / grad_accum_steps)
+
+
+def total_steps(max_steps: int | None, num_epochs: float, per_epoch: int) -> int:
+    return max_steps if max_steps is not None else max(1, math.ceil(num_epochs * per_epoch))
+
+
+def banner(plan: RunPlan, run_dir: str) -> str:
+    p = plan
+    lines = [
+        "runner: starting",
+        f"  run folder     {run_dir}",
+        f"  strategy       {p.strategy} on {p.world_size} process(es), device {p.device}, precision {p.precision}",
+        f"  model          {p.parameters:,} parameters",
+        f"  data           {p.train_blocks:,} train / {p.eval_blocks:,} eval blocks of {p.block_size} tokens",
+        f"  global batch   {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
+        f" x {p.grad_accum_steps} accumulation",
+        f"  tokens/step    {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
+        f"  steps          {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps),"
+        f" {p.total_steps * p.tokens_per_step:,} tokens",
+        f"  learning rate  {p.lr:g}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""The run folder: refuse to clobber results, then freeze the spec into it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+
+from runner.errors import UserError
+from runner.spec import SPEC_FILENAME, RunSpec, save_spec
+
+# What a run writes. A folder holding any of these holds somebody's results.
+RESULT_NAMES: tuple[str, ...] = (
+    SPEC_FILENAME,
+    "metrics.jsonl",
+    "train_results.json",
+    "eval_results.json",
+    "all_results.json",
+    "loss_curves.png",
+    "model",
+    "checkpoints",
+    "run.log",
+    ".hydra",
+)
+
+
+def existing_results(run_dir: Path) -> list[str]:
+    return [name for name in RESULT_NAMES if (run_dir / name).exists()]
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse a folder that already holds results unless overwrite=true; with it,
+    remove only what a run writes (never other files the user keeps there)."""
+    found = existing_results(run_dir)
+    if found and not overwrite:
+        raise UserError(
+            f"the run folder {run_dir} already holds results ({', '.join(found)}). "
+            "Pick a new folder (hydra.run.dir=PATH) or replace them with overwrite=true."
+        )
+    for name in found:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:
+    """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/."""
+    spec_path = run_dir / SPEC_FILENAME
+    save_spec(spec, spec_path)
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(exist_ok=True)
+    if composed is not None:
+        (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(composed))
+    (hydra_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return spec_path

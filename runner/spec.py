@@ -1,0 +1,247 @@
+"""The run spec: one typed schema for every setting, and its frozen on-disk form.
+
+Every user-facing setting is defined here, once, with its default and allowed
+values documented under it. Hydra composes YAML on top of this schema (so an
+unknown key or a wrong type fails at compose time); `runner.validate` then
+checks what only makes sense across fields. Workers never run Hydra: they read
+the resolved `run_spec.yaml` through `load_spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+SPEC_FILENAME = "run_spec.yaml"
+
+
+class StrategyKind(str, enum.Enum):
+    ddp = "ddp"
+    zero2 = "zero2"
+    zero3 = "zero3"
+
+
+class PrecisionKind(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OffloadDevice(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class OptimKind(str, enum.Enum):
+    adamw = "adamw"
+
+
+class ScheduleKind(str, enum.Enum):
+    linear = "linear"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class AttnImplementation(str, enum.Enum):
+    eager = "eager"
+    sdpa = "sdpa"
+
+
+@dataclass
+class ModelSpec:
+    name_or_path: Optional[str] = None
+    """Pretrained weights: a hub id (`gpt2`) or a local folder with config.json and
+    weights. null: build `model_type` from scratch (random init), like run_clm."""
+    model_type: str = "gpt2"
+    """Architecture built from scratch when `name_or_path` is null (any transformers
+    model type with a causal LM head)."""
+    config_overrides: Optional[str] = None
+    """run_clm's form, applied to the config before building: "n_embd=10,resid_pdrop=0.2"."""
+    tokenizer_name: Optional[str] = None
+    """A hub id or local folder. null: the tokenizer that ships with `name_or_path`.
+    `${asset:gpt2_tokenizer}` is the vendored GPT-2 tokenizer (works offline)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about 30% more compute."""
+    compile: bool = False
+    """Wrap the model in torch.compile (first steps are slow while it compiles)."""
+    attn_implementation: Optional[AttnImplementation] = None
+    """eager | sdpa. null: transformers' default for the model."""
+
+
+@dataclass
+class DataSpec:
+    dataset_name: Optional[str] = None
+    """A hub dataset (`wikitext`). Set either this or `train_file`."""
+    dataset_config_name: Optional[str] = None
+    """The hub dataset's configuration (`wikitext-2-raw-v1`)."""
+    train_file: Optional[str] = None
+    """A local .txt, .json, .jsonl or .csv file, optionally gzipped (.gz)."""
+    validation_file: Optional[str] = None
+    """Like `train_file`. null: hold out `validation_split_percentage` of train."""
+    validation_split_percentage: int = 5
+    """Percent of train used for validation when there is no validation split (1-99)."""
+    text_column: Optional[str] = None
+    """Column holding the text. null: `text` if present, else the first column."""
+    keep_linebreaks: bool = True
+    """For .txt files: keep the newline at the end of each line."""
+    block_size: Optional[int] = None
+    """Tokens per training sequence. null: min(1024, the model's max positions)."""
+    max_train_samples: Optional[int] = None
+    """Keep only the first N training blocks (debugging, quick runs)."""
+    max_eval_samples: Optional[int] = None
+    """Keep only the first N evaluation blocks."""
+    preprocessing_num_workers: Optional[int] = None
+    """Processes for tokenization. null: one."""
+    cache_dir: Optional[str] = None
+    """Where tokenized, grouped data is cached. null: $RUNNER_CACHE_DIR or ~/.cache/runner."""
+
+
+@dataclass
+class OptimSpec:
+    kind: OptimKind = OptimKind.adamw
+    """adamw (torch.optim.AdamW)."""
+    lr: float = 5e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value before each step. 0 disables."""
+    fused: bool = False
+    """Use torch's fused AdamW kernel (faster where supported)."""
+
+
+@dataclass
+class ScheduleSpec:
+    kind: ScheduleKind = ScheduleKind.linear
+    """linear | cosine | constant (after warmup)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `optim.lr`."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of total steps; used when warmup_steps is 0."""
+
+
+@dataclass
+class TrainSpec:
+    per_device_batch_size: int = 8
+    """Sequences per device per micro-batch."""
+    per_device_eval_batch_size: Optional[int] = None
+    """null: same as per_device_batch_size."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step.
+    Global batch = per_device_batch_size x world size x grad_accum_steps."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to run. null: run `num_epochs` epochs."""
+    num_epochs: float = 3.0
+    """Passes over the training blocks when max_steps is null."""
+    seed: int = 42
+    """Seeds python, numpy and torch on every rank (model init and data order)."""
+    log_every: int = 10
+    """Log train loss every N optimizer steps. 0 disables."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (and always at the end). 0 disables."""
+    save_every: int = 0
+    """Write a resumable checkpoint every N optimizer steps. 0 disables."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes (0: load in the training process)."""
+
+
+@dataclass
+class LaunchSpec:
+    nproc_per_node: str = "auto"
+    """Worker processes on this machine. auto: one per visible GPU, or 1 on a CPU."""
+    nnodes: int = 1
+    """Machines taking part."""
+    node_rank: int = 0
+    """This machine's index, 0..nnodes-1."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
+    max_restarts: int = 0
+    """Restart all workers up to N times after a crash."""
+
+
+@dataclass
+class StrategySpec:
+    kind: StrategyKind = StrategyKind.ddp
+    """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate)."""
+    offload_optimizer: OffloadDevice = OffloadDevice.none
+    """ZeRO only: none | cpu."""
+    offload_params: OffloadDevice = OffloadDevice.none
+    """ZeRO-3 only: none | cpu."""
+    zero3_save_16bit_model: bool = True
+    """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model."""
+
+
+@dataclass
+class PrecisionSpec:
+    kind: PrecisionKind = PrecisionKind.fp32
+    """fp32 | bf16 (autocast; CPU or Ampere+ GPU) | fp16 (autocast + loss scaling, GPU only)."""
+
+
+@dataclass
+class RunSpec:
+    name: str = "run"
+    """Names the run; the default run folder is outputs/<name>/<time>_<hash>."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    launch: LaunchSpec = field(default_factory=LaunchSpec)
+    strategy: StrategySpec = field(default_factory=StrategySpec)
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    overwrite: bool = False
+    """Allow writing into a run folder that already holds results."""
+    run_dir: str = ""
+    """Set by the launcher: the run folder (hydra.run.dir). Not for users to set."""
+
+
+# The group options under conf/ are merged into these nodes; the root schema is
+# what makes an unknown key or a wrong type a compose-time error.
+SCHEMA_NAME = "runner_schema"
+
+
+def to_spec(cfg: Any) -> RunSpec:
+    """A composed (Hydra) config -> a typed, fully resolved RunSpec."""
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, RunSpec), type(obj)
+    return obj
+
+
+def spec_to_yaml(spec: RunSpec) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(spec))
+
+
+def save_spec(spec: RunSpec, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(spec_to_yaml(spec))
+    tmp.replace(path)
+
+
+def load_spec(path: Path) -> RunSpec:
+    """Read a frozen spec, still checked against the schema (a hand-edited typo fails)."""
+    schema = OmegaConf.structured(RunSpec)
+    merged = OmegaConf.merge(schema, OmegaConf.load(path))
+    return to_spec(merged)
+
+
+def spec_dict(spec: RunSpec) -> dict[str, Any]:
+    """Plain JSON-able dict (enums as their values), for results and trackers."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(spec))

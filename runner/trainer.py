@@ -1,0 +1,216 @@
+"""The generic training loop: accumulate, backward, clip, step, log, evaluate, checkpoint.
+
+Objects come in already built and prepared (see runner/worker.py); this module
+only runs them. `fit` reads top to bottom; the detail lives in `train_step`,
+`evaluate` and `_log_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from runner.checkpoint import save_checkpoint
+from runner.metrics import MetricsWriter, Progress, perplexity
+from runner.plan import RunPlan
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    micro_batches: int = 0
+    loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
+    loss_count: int = 0
+    total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
+    total_loss_steps: int = 0
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        accelerator: "Accelerator",
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        train_loader: "DataLoader",
+        eval_loader: "DataLoader",
+        plan: RunPlan,
+        run_dir: Path,
+        *,
+        max_grad_norm: float,
+        log_every: int,
+        eval_every: int,
+        save_every: int,
+        keep_checkpoints: int,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
+        self.plan = plan
+        self.run_dir = run_dir
+        self.max_grad_norm = max_grad_norm
+        self.log_every, self.eval_every, self.save_every = log_every, eval_every, save_every
+        self.keep_checkpoints = keep_checkpoints
+        self.state = LoopState()
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl", accelerator.is_main_process)
+        self.grad_norm: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """Train to plan.total_steps, evaluate at the end; returns (train, eval) results."""
+        plan, s = self.plan, self.state
+        progress = Progress(plan.total_steps, self.accelerator.is_main_process)
+        started = window_start = time.perf_counter()
+        window_steps = 0
+        self.model.train()
+        while s.step < plan.total_steps:
+            for batch in self.train_loader:
+                stepped = self.train_step(batch)
+                if not stepped:
+                    continue
+                window_steps += 1
+                if self.log_every and s.step % self.log_every == 0:
+                    elapsed = time.perf_counter() - window_start
+                    record = self._log_step(window_steps, elapsed)
+                    progress.update(0, loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                    window_start, window_steps = time.perf_counter(), 0
+                progress.update(1)
+                if self.eval_every and s.step % self.eval_every == 0 and s.step < plan.total_steps:
+                    self._evaluate_and_log(progress)
+                if self.save_every and s.step % self.save_every == 0:
+                    save_checkpoint(self.accelerator, self.run_dir, s.step, self.keep_checkpoints, {"epoch": s.epoch})
+                if s.step >= plan.total_steps:
+                    break
+            else:
+                s.epoch += 1
+        progress.close()
+        runtime = time.perf_counter() - started
+        eval_results = self._evaluate_and_log(None)
+        return self._train_results(runtime), eval_results
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch: dict[str, torch.Tensor]) -> bool:
+        """One micro-batch; returns True when it completed an optimizer step."""
+        acc, s = self.accelerator, self.state
+        with acc.accumulate(self.model):
+            loss = self.model(**batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients and self.max_grad_norm > 0:
+                self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                # Stepped here, once per optimizer step, never by Accelerate per process.
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        detached = loss.detach().float()
+        s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
+        s.loss_count += 1
+        s.micro_batches += 1
+        if not acc.sync_gradients:
+            return False
+        s.step += 1
+        return True
+
+    def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
+        """Mean loss since the last log, averaged over ranks. The only host sync."""
+        s, plan = self.state, self.plan
+        assert s.loss_sum is not None
+        mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
+        s.total_loss += mean * window_steps
+        s.total_loss_steps += window_steps
+        s.loss_sum, s.loss_count = None, 0
+        rate = window_steps / elapsed if elapsed > 0 else float("nan")
+        record = {
+            "step": s.step,
+            "epoch": round(s.epoch + (s.micro_batches % max(len(self.train_loader), 1)) / max(len(self.train_loader), 1), 4),
+            "loss": mean,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
+            "tokens_per_s": rate * plan.tokens_per_step,
+            "samples_per_s": rate * plan.global_batch_size,
+        }
+        self.metrics.write(record)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """eval_loss, perplexity and next-token accuracy over the validation blocks,
+        gathered across ranks (gather_for_metrics drops the padding duplicates)."""
+        acc = self.accelerator
+        self.model.eval()
+        losses, correct = [], []
+        started = time.perf_counter()
+        for batch in self.eval_loader:
+            logits = self.model(input_ids=batch["input_ids"]).logits.float()
+            shift_logits, shift_labels = logits[:, :-1, :], batch["labels"][:, 1:]
+            token_loss = torch.nn.functional.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), reduction="none"
+            ).view(shift_labels.shape)
+            per_sample_loss = token_loss.mean(dim=1)  # every block has the same length
+            per_sample_acc = (shift_logits.argmax(-1) == shift_labels).float().mean(dim=1)
+            losses.append(acc.gather_for_metrics(per_sample_loss))
+            correct.append(acc.gather_for_metrics(per_sample_acc))
+        self.model.train()
+        if not losses:
+            return {}
+        eval_loss = torch.cat(losses).mean().item()
+        samples = sum(len(x) for x in losses)
+        runtime = time.perf_counter() - started
+        return {
+            "eval_loss": eval_loss,
+            "perplexity": perplexity(eval_loss),
+            "eval_accuracy": torch.cat(correct).mean().item(),
+            "eval_samples": samples,
+            "eval_runtime": round(runtime, 3),
+            "eval_samples_per_second": round(samples / runtime, 3) if runtime > 0 else None,
+        }
+
+    def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
+        results = self.evaluate()
+        if results:
+            self.state.last_eval = results
+            self.metrics.write({"step": self.state.step, **{k: results[k] for k in ("eval_loss", "perplexity", "eval_accuracy")}})
+            line = f"step {self.state.step}: eval_loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}"
+            if progress is not None:
+                progress.write(line)
+            else:
+                log.info(line)
+        return results
+
+    def _train_results(self, runtime: float) -> dict[str, Any]:
+        s, plan = self.state, self.plan
+        if s.loss_count:  # steps since the last log
+            mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
+            remaining = s.step - s.total_loss_steps
+            s.total_loss += mean * remaining
+            s.total_loss_steps += remaining
+        train_loss = s.total_loss / s.total_loss_steps if s.total_loss_steps else math.nan
+        samples = s.step * plan.global_batch_size
+        return {
+            "epoch": round(s.step / max(plan.steps_per_epoch, 1), 4),
+            "train_loss": train_loss,
+            "train_runtime": round(runtime, 3),
+            "train_samples": samples,
+            "train_steps": s.step,
+            "train_tokens": samples * plan.block_size,
+            "train_samples_per_second": round(samples / runtime, 3),
+            "train_steps_per_second": round(s.step / runtime, 3),
+            "train_tokens_per_second": round(samples * plan.block_size / runtime, 1),
+        }

@@ -1,0 +1,148 @@
+"""Per-rank entry: read the frozen spec, build everything, train, save, close.
+
+Workers never run Hydra: the launcher composed and validated the spec once and
+wrote it to run_spec.yaml; every rank reads that same file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runner.spec import RunSpec, load_spec
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+log = logging.getLogger("runner")
+
+
+def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from runner.data import collate
+
+    t = spec.train
+    generator = torch.Generator().manual_seed(t.seed)  # same data order on every rank
+    train = DataLoader(
+        data.train,
+        batch_size=t.per_device_batch_size,
+        shuffle=True,
+        generator=generator,
+        collate_fn=collate,
+        num_workers=t.dataloader_num_workers,
+        drop_last=False,
+    )
+    evaluation = DataLoader(
+        data.validation,
+        batch_size=t.per_device_eval_batch_size or t.per_device_batch_size,
+        shuffle=False,
+        collate_fn=collate,
+        num_workers=t.dataloader_num_workers,
+    )
+    return train, evaluation
+
+
+def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir: Path) -> Path:
+    """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM."""
+    out = run_dir / "model"
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank calls
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def train(spec: RunSpec) -> dict[str, Any]:
+    from accelerate.utils import set_seed
+
+    from runner.accel import build_accelerator, check_engaged, describe
+    from runner.data import prepare, resolve_block_size
+    from runner.log import setup_logging
+    from runner.metrics import summary_table, write_results
+    from runner.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
+    from runner.optim import build_optimizer, build_scheduler
+    from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
+    from runner.plots import PLOT_FILENAME, plot_loss_curves
+    from runner.trainer import Trainer
+
+    run_dir = Path(spec.run_dir)
+    t = spec.train
+    # The model is built, seeded, before the Accelerator: under ZeRO-3 a model built
+    # afterwards is initialised inside the engine and its weights differ from DDP's.
+    set_seed(t.seed)
+    tokenizer = build_tokenizer(spec.model)
+    config = build_config(spec.model)
+    model = build_model(spec.model, config, len(tokenizer))
+
+    accelerator = build_accelerator(spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm)
+    setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
+    try:
+        block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
+        with accelerator.main_process_first():  # tokenize once; other ranks read the cache
+            data = prepare(spec.data, tokenizer, block_size)
+        if accelerator.is_main_process:
+            state = "reused" if data.cache_hit else "built"
+            log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
+
+        train_loader, eval_loader = _loaders(spec, data)
+        optimizer = build_optimizer(spec.optim, model)
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+        world_size = accelerator.num_processes
+        check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
+
+        per_epoch = steps_per_epoch(len(train_loader), t.grad_accum_steps)
+        plan = RunPlan(
+            world_size=world_size,
+            per_device_batch_size=t.per_device_batch_size,
+            grad_accum_steps=t.grad_accum_steps,
+            block_size=block_size,
+            steps_per_epoch=per_epoch,
+            total_steps=total_steps(t.max_steps, t.num_epochs, per_epoch),
+            train_blocks=len(data.train),
+            eval_blocks=len(data.validation),
+            parameters=count_parameters(accelerator.unwrap_model(model)),
+            strategy=spec.strategy.kind.value,
+            precision=spec.precision.kind.value,
+            device=describe(accelerator)["device"],
+            lr=spec.optim.lr,
+        )
+        scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
+        if accelerator.is_main_process:
+            log.info(banner(plan, str(run_dir)))
+
+        trainer = Trainer(
+            accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
+            max_grad_norm=spec.optim.max_grad_norm,
+            log_every=t.log_every,
+            eval_every=t.eval_every,
+            save_every=t.save_every,
+            keep_checkpoints=t.keep_checkpoints,
+        )
+        train_results, eval_results = trainer.fit()
+        if t.save_every:
+            from runner.checkpoint import save_checkpoint
+
+            save_checkpoint(accelerator, run_dir, trainer.state.step, t.keep_checkpoints, {"epoch": trainer.state.epoch})
+        save_outputs(accelerator, model, tokenizer, run_dir)
+        results: dict[str, Any] = {}
+        if accelerator.is_main_process:
+            train_results["train_samples_total"] = len(data.train)
+            results = write_results(run_dir, train_results, eval_results or None)
+            plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
+            log.info(summary_table(results, run_dir))
+        accelerator.wait_for_everyone()
+        return results
+    finally:
+        accelerator.end_training()
+
+
+def main(spec_path: str) -> None:
+    """Entry for a spawned or joined worker process."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    train(load_spec(Path(spec_path)))

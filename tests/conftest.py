@@ -1,0 +1,69 @@
+"""Shared fixtures: offline, CPU-only, a private cache, and a compose helper."""
+
+from __future__ import annotations
+
+import os
+
+# Before any HF import: datasets/transformers must never try the network in tests.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from runner.config_store import register
+from runner.paths import conf_dir
+from runner.spec import RunSpec, to_spec
+
+# A micro GPT-2 and a few blocks: whole runs in seconds on a 2-core CPU.
+MICRO = [
+    "recipe=gpt2_clm_tiny",
+    # Dropout off: runs that differ only in batch layout must give equal losses.
+    "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0'",
+    "data.block_size=32",
+    "data.max_train_samples=96",
+    "data.max_eval_samples=16",
+    "train.per_device_batch_size=4",
+    "train.max_steps=8",
+    "train.log_every=1",
+    "train.eval_every=4",
+    "schedule.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tokenized data goes to a per-session cache, never the user's."""
+    cache = tmp_path_factory.mktemp("runner_cache")
+    old = os.environ.get("RUNNER_CACHE_DIR")
+    os.environ["RUNNER_CACHE_DIR"] = str(cache)
+    yield
+    if old is None:
+        os.environ.pop("RUNNER_CACHE_DIR", None)
+    else:
+        os.environ["RUNNER_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def compose_spec() -> Callable[..., RunSpec]:
+    """Compose the shipped config with overrides, as the launcher does, into a RunSpec."""
+
+    def _compose(*overrides: str) -> RunSpec:
+        register()
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+        return to_spec(cfg)
+
+    return _compose
+
+
+@pytest.fixture
+def micro_overrides(tmp_path: Path) -> list[str]:
+    return [*MICRO, f"hydra.run.dir={tmp_path / 'run'}"]

@@ -1,0 +1,121 @@
+"""Bad input through the real entry point: one clear message, exit 2, nothing written."""
+
+import subprocess
+import sys
+
+import pytest
+
+from runner.cli import main
+
+
+def run_main(capsys, *args):
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    return info.value.code, capsys.readouterr().err
+
+
+def assert_refused(capsys, tmp_path, *args, expect):
+    run_dir = tmp_path / "run"
+    code, err = run_main(capsys, "recipe=gpt2_clm_tiny", f"hydra.run.dir={run_dir}", *args)
+    assert code == 2, err
+    assert "Traceback" not in err
+    for text in ([expect] if isinstance(expect, str) else expect):
+        assert text in err, err
+    assert not (run_dir / "run_spec.yaml").exists()  # no worker started, nothing frozen
+    return err
+
+
+def test_unknown_key(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, "train.batch_size=4", expect=["unknown key 'train.batch_size'", "train.per_device_batch_size"])
+
+
+def test_wrong_type(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, "train.grad_accum_steps=two", expect="bad value for 'train.grad_accum_steps'")
+
+
+def test_unknown_recipe_lists_the_available_ones(capsys, tmp_path):
+    code, err = run_main(capsys, "recipe=gpt2_typo", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "gpt2_clm_tiny" in err and "Traceback" not in err
+
+
+def test_missing_data_file(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/missing.txt", expect="no such file")
+
+
+def test_empty_data_file(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/empty.txt", expect="is empty")
+
+
+def test_malformed_json_line(capsys, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/d.jsonl", expect="d.jsonl:2: malformed JSON")
+
+
+def test_missing_text_column(capsys, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"body": "a"}\n')
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/d.jsonl", "data.text_column=text", expect="no column 'text'")
+
+
+def test_block_size_too_large(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, "data.block_size=4096", expect=["data.block_size=4096", "128 positions"])
+
+
+def test_fp16_on_cpu_names_bf16(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, "precision=fp16", expect="precision=bf16")
+
+
+def test_zero_without_deepspeed_names_the_extra(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert_refused(capsys, tmp_path, "strategy=zero3", expect="runner[deepspeed]")
+
+
+def test_every_problem_at_once(capsys, tmp_path):
+    err = assert_refused(
+        capsys, tmp_path, "train.per_device_batch_size=0", "optim.lr=-1", "data.block_size=4096",
+        expect=["3 problems", "train.per_device_batch_size=0", "optim.lr=-1", "data.block_size=4096"],
+    )
+    assert err.count("\n  - ") == 3
+
+
+def test_existing_results_folder_is_not_clobbered(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "all_results.json").write_text('{"keep": "me"}')
+    (run_dir / "metrics.jsonl").write_text("precious\n")
+    code, err = run_main(capsys, "recipe=gpt2_clm_tiny", f"hydra.run.dir={run_dir}")
+    assert code == 2 and "already holds results" in err and "overwrite=true" in err
+    assert (run_dir / "all_results.json").read_text() == '{"keep": "me"}'
+    assert (run_dir / "metrics.jsonl").read_text() == "precious\n"
+    assert not (run_dir / ".hydra").exists()
+
+
+def test_spec_rerun_of_missing_file(capsys, tmp_path):
+    code, err = run_main(capsys, "--spec", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "no such file" in err
+
+
+def test_console_script_exit_code_and_no_traceback(tmp_path):
+    """The installed `runner` command itself: one line, exit 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "recipe=gpt2_clm_tiny", "optim.lr=fast", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 2
+    assert "bad value for 'optim.lr'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_help_lists_groups(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "runner", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0
+    for group in ("recipe:", "strategy:", "precision:", "gpt2_clm_tiny", "zero3", "bf16"):
+        assert group in done.stdout
+
+
+def test_cfg_job_prints_the_composed_config():
+    done = subprocess.run([sys.executable, "-m", "runner", "recipe=gpt2_clm", "--cfg", "job"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "name_or_path: gpt2" in done.stdout and "wikitext-2-raw-v1" in done.stdout

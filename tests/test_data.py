@@ -1,0 +1,113 @@
+"""run_clm's pipeline: exact grouping, splits, and the processed-data cache."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from runner.data import cache_key, collate, group_texts, load_raw, prepare, resolve_block_size
+from runner.paths import asset_path
+from runner.spec import DataSpec
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
+
+
+def test_group_texts_concatenates_and_drops_the_remainder():
+    out = group_texts({"input_ids": [[1, 2, 3], [4], [], [5, 6, 7, 8, 9]]}, block_size=4)
+    assert out == {"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]]}  # 9 is the dropped remainder
+
+
+def test_group_texts_shorter_than_a_block_gives_nothing():
+    assert group_texts({"input_ids": [[1, 2]]}, block_size=4) == {"input_ids": []}
+
+
+def test_collate_sets_labels_to_inputs():
+    import torch
+
+    batch = collate([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3, 4])}])
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 4]]
+    assert torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_block_size_defaults_like_run_clm():
+    assert resolve_block_size(DataSpec(), model_positions=1024, tokenizer_max=1024) == 1024
+    assert resolve_block_size(DataSpec(), model_positions=128, tokenizer_max=1024) == 128
+    assert resolve_block_size(DataSpec(block_size=64), model_positions=128, tokenizer_max=1024) == 64
+
+
+def _write(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_validation_split_percentage_holds_out_the_first_rows(tmp_path):
+    train = _write(tmp_path / "t.txt", [f"line {i}" for i in range(100)])
+    raw = load_raw(DataSpec(train_file=train, validation_split_percentage=10))
+    assert len(raw["validation"]) == 10 and len(raw["train"]) == 90
+    assert raw["validation"][0]["text"] == "line 0\n"  # keep_linebreaks
+    assert raw["train"][0]["text"] == "line 10\n"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".txt.gz", ".jsonl.gz"])
+def test_local_file_types(tmp_path, suffix, tokenizer):
+    rows = [f"The {i}th sentence of a small corpus, with words enough." for i in range(40)]
+    path = tmp_path / f"data{suffix}"
+    if ".json" in suffix:
+        body = "\n".join(json.dumps({"id": i, "content": r}) for i, r in enumerate(rows)) + "\n"
+    elif ".csv" in suffix:
+        body = "content,id\n" + "\n".join(f'"{r}",{i}' for i, r in enumerate(rows)) + "\n"
+    else:
+        body = "\n".join(rows) + "\n"
+    if suffix.endswith(".gz"):
+        path.write_bytes(gzip.compress(body.encode()))
+    else:
+        path.write_text(body)
+    spec = DataSpec(train_file=str(path), text_column=None if suffix == ".txt.gz" else "content",
+                    block_size=16, cache_dir=str(tmp_path / "cache"))
+    data = prepare(spec, tokenizer, 16)
+    expected_tokens = sum(len(tokenizer(r + ("\n" if "txt" in suffix else ""))["input_ids"]) for r in rows[2:])
+    assert len(data.train) == expected_tokens // 16
+    assert data.train[0]["input_ids"].shape == (16,)
+
+
+def test_cache_hit_on_same_inputs_and_rebuild_on_any_change(tmp_path, tokenizer):
+    train = _write(tmp_path / "t.txt", [f"It was the {i}th day of the season in the country." for i in range(200)])
+    spec = DataSpec(train_file=train, cache_dir=str(tmp_path / "cache"))
+    first = prepare(spec, tokenizer, 32)
+    second = prepare(spec, tokenizer, 32)
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert second.cache_path == first.cache_path
+    assert [r["input_ids"].tolist() for r in second.train] == [r["input_ids"].tolist() for r in first.train]
+
+    assert prepare(spec, tokenizer, 16).cache_hit is False  # block size
+    spec_text = DataSpec(train_file=train, cache_dir=spec.cache_dir, keep_linebreaks=False)
+    assert prepare(spec_text, tokenizer, 32).cache_hit is False  # processing option
+    _write(tmp_path / "t.txt", [f"It was the {i}th night of the season in town." for i in range(200)])
+    assert prepare(spec, tokenizer, 32).cache_hit is False  # file contents
+
+
+def test_cache_key_ignores_sample_limits(tmp_path, tokenizer):
+    train = _write(tmp_path / "t.txt", ["a b c"])
+    base = DataSpec(train_file=train)
+    limited = DataSpec(train_file=train, max_train_samples=3, max_eval_samples=2)
+    assert cache_key(base, tokenizer, 8) == cache_key(limited, tokenizer, 8)
+
+
+def test_incomplete_cache_entry_is_rebuilt(tmp_path, tokenizer):
+    train = _write(tmp_path / "t.txt", [f"Sentence number {i} is here." for i in range(100)])
+    spec = DataSpec(train_file=train, cache_dir=str(tmp_path / "cache"))
+    first = prepare(spec, tokenizer, 8)
+    (first.cache_path / "COMPLETE").unlink()  # as if a crash happened mid-write
+    assert prepare(spec, tokenizer, 8).cache_hit is False
+
+
+def test_max_samples_limit_blocks(tmp_path, tokenizer):
+    train = _write(tmp_path / "t.txt", [f"Sentence number {i} is here." for i in range(300)])
+    spec = DataSpec(train_file=train, cache_dir=str(tmp_path / "cache"), max_train_samples=5, max_eval_samples=2)
+    data = prepare(spec, tokenizer, 8)
+    assert (len(data.train), len(data.validation)) == (5, 2)

@@ -1,0 +1,131 @@
+"""Composition against the schema: every recipe and group option, and bad keys/types."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from runner.errors import compose_error
+from runner.paths import conf_dir, recipes_dir
+from runner.spec import PrecisionKind, RunSpec, StrategyKind, load_spec, save_spec
+from runner.validate import check_data_source, check_model, check_numbers
+
+RECIPES = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+GROUP_OPTIONS = sorted(
+    (group.name, option.stem) for group in conf_dir().iterdir() if group.is_dir() for option in group.glob("*.yaml")
+)
+
+
+def test_there_are_recipes_and_groups():
+    assert {"gpt2_clm", "gpt2_clm_tiny"} <= set(RECIPES)
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert {"model", "data", "optim", "schedule", "train", "launch", "strategy", "precision"} <= groups
+    assert {o for g, o in GROUP_OPTIONS if g == "strategy"} == {"ddp", "zero2", "zero3"}
+    assert {o for g, o in GROUP_OPTIONS if g == "precision"} == {"fp32", "bf16", "fp16"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes(compose_spec, recipe):
+    spec = compose_spec(f"recipe={recipe}")
+    assert isinstance(spec, RunSpec)
+    assert spec.name == recipe
+    assert check_numbers(spec) == []
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_opens_with_a_header(recipe):
+    text = (recipes_dir() / f"{recipe}.yaml").read_text()
+    header = text.split("\ndefaults:")[0]
+    for word in ("Trains:", "Hardware:", "Launch:", "Batch:"):
+        assert word in header, f"{recipe}.yaml header lacks '{word}'"
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS)
+def test_every_group_option_composes_and_validates(compose_spec, group, option):
+    spec = compose_spec("recipe=gpt2_clm_tiny", f"{group}={option}")
+    assert check_numbers(spec) == []
+    if group == "strategy":
+        assert spec.strategy.kind is StrategyKind(option)
+    if group == "precision":
+        assert spec.precision.kind is PrecisionKind(option)
+
+
+def test_tiny_recipe_validates_offline(compose_spec):
+    spec = compose_spec("recipe=gpt2_clm_tiny")
+    assert check_data_source(spec) == []
+    assert check_model(spec) == []
+    assert Path(spec.data.train_file).name == "austen.txt.gz"  # resolved to the vendored file
+
+
+def test_gpt2_clm_is_run_clm_faithful(compose_spec):
+    spec = compose_spec("recipe=gpt2_clm")
+    assert spec.model.name_or_path == "gpt2"
+    assert (spec.data.dataset_name, spec.data.dataset_config_name) == ("wikitext", "wikitext-2-raw-v1")
+    assert spec.data.block_size is None  # min(1024, positions), resolved at run time
+    assert spec.train.per_device_batch_size == 8
+    assert spec.optim.lr == 5e-5
+    assert spec.train.num_epochs == 3 and spec.train.max_steps is None
+    assert spec.data.validation_split_percentage == 5
+
+
+def test_gpt2_clm_offline_names_the_fix(compose_spec):
+    problems = check_model(compose_spec("recipe=gpt2_clm"))
+    assert problems and "gpt2_clm_tiny" in problems[0] and "model.name_or_path=/local/dir" in problems[0]
+
+
+def test_user_facing_names_exist(compose_spec):
+    spec = compose_spec(
+        "recipe=gpt2_clm_tiny",
+        "train.per_device_batch_size=16",
+        "train.grad_accum_steps=4",
+        "train.max_steps=7",
+        "train.num_epochs=2",
+        "train.seed=3",
+        "train.log_every=0",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "data.validation_split_percentage=10",
+        "data.text_column=text",
+        "data.block_size=64",
+        "model.config_overrides='n_embd=10,resid_pdrop=0.2'",
+        "optim.lr=0.1",
+        "launch.nproc_per_node=2",
+        "overwrite=true",
+    )
+    assert (spec.train.per_device_batch_size, spec.train.grad_accum_steps, spec.train.max_steps) == (16, 4, 7)
+    assert spec.model.config_overrides == "n_embd=10,resid_pdrop=0.2"
+    assert spec.launch.nproc_per_node == "2" and spec.overwrite is True
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.per_device_batchsize=4", "unknown key 'train.per_device_batchsize'. Did you mean 'train.per_device_batch_size'?"),
+        ("optim.learning_rate=0.1", "unknown key 'optim.learning_rate'"),
+        ("train.max_steps=ten", "bad value for 'train.max_steps'"),
+        ("strategy.kind=zero4", "expected one of [ddp, zero2, zero3]"),
+        ("precision.kind=fp8", "expected one of [fp32, bf16, fp16]"),
+    ],
+)
+def test_schema_rejects_unknown_keys_and_wrong_types(compose_spec, override, expected):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_spec("recipe=gpt2_clm_tiny", override)
+    assert expected in compose_error(info.value).render()
+
+
+def test_spec_round_trips_through_yaml(compose_spec, tmp_path):
+    spec = compose_spec("recipe=gpt2_clm_tiny", "precision=bf16", "train.grad_accum_steps=2")
+    save_spec(spec, tmp_path / "run_spec.yaml")
+    assert load_spec(tmp_path / "run_spec.yaml") == spec
+    assert "${" not in (tmp_path / "run_spec.yaml").read_text()  # fully resolved
+
+
+def test_frozen_spec_rejects_a_hand_edited_typo(compose_spec, tmp_path):
+    path = tmp_path / "run_spec.yaml"
+    save_spec(compose_spec("recipe=gpt2_clm_tiny"), path)
+    data = OmegaConf.load(path)
+    data.train["max_stepz"] = 3
+    OmegaConf.save(data, path)
+    with pytest.raises(Exception, match="max_stepz"):
+        load_spec(path)
