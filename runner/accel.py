@@ -33,6 +33,7 @@ def build_accelerator(
     precision: PrecisionSpec,
     grad_accum_steps: int,
     max_grad_norm: float,
+    compile_model: bool = False,
     timeout_minutes: int = 30,
 ) -> "Accelerator":
     import torch
@@ -64,6 +65,8 @@ def build_accelerator(
         gradient_accumulation_steps=grad_accum_steps,
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
+        # torch.compile applied by prepare(); unwrap_model strips it again for saving.
+        dynamo_backend="inductor" if compile_model else None,
     )
 
 
@@ -102,3 +105,28 @@ def check_engaged(accelerator: "Accelerator", model: Any, strategy: StrategySpec
     if problems:
         raise EngagementError("strategy not engaged as specified: " + "; ".join(problems))
 
+
+
+def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: StrategySpec) -> list[float]:
+    """Sum of every parameter, one per rank: after a step all ranks must hold the same model.
+    Under ZeRO-3 each rank holds a shard, so the full parameters are gathered first."""
+    import contextlib
+
+    import torch
+
+    params = list(model.parameters())
+    gather: Any = contextlib.nullcontext()
+    if strategy.kind is StrategyKind.zero3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params)
+    with gather:
+        total = torch.stack([p.detach().double().sum() for p in params]).sum()
+    values = accelerator.gather(total.reshape(1).to(accelerator.device))
+    return [float(v) for v in values.cpu()]
+
+
+def check_in_sync(fingerprints: list[float]) -> None:
+    first = fingerprints[0]
+    if any(abs(f - first) > 1e-6 * max(1.0, abs(first)) for f in fingerprints):
+        raise EngagementError(f"ranks hold different parameters after training: {fingerprints}")

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from runner.errors import UserError, compose_error, exit_with
 
@@ -24,31 +24,93 @@ def _offline_defaults() -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def start(spec: Any, run_dir: Path, overwrite: bool, composed: Any = None, overrides: tuple[str, ...] = ()) -> None:
+def refuse(err: UserError) -> NoReturn:
+    """Exit 2 with one clear message; as rank 0 of a joined launch, tell the others first."""
+    from runner.distributed import joined_launch
+
+    joined = joined_launch()
+    if joined is not None and joined.rank == 0:
+        from runner.distributed import broadcast_text, init_process_group
+
+        init_process_group()
+        broadcast_text(None)
+    exit_with(err)
+
+
+def _apply_slurm_nodes(spec: Any) -> None:
+    """srun with one task per node: each task is this node's launcher."""
+    from runner.distributed import slurm_node_launch
+
+    found = slurm_node_launch()
+    if found and spec.launch.nnodes == 1:
+        spec.launch.nnodes, spec.launch.node_rank, endpoint = found
+        spec.launch.rdzv_endpoint = spec.launch.rdzv_endpoint or endpoint
+
+
+def start(
+    spec: Any,
+    run_dir: Path,
+    overwrite: bool,
+    composed: Any = None,
+    overrides: tuple[str, ...] = (),
+    run_dir_chosen: bool = True,
+) -> None:
     """Validate, claim the run folder, freeze the spec, launch. Shared by both entries."""
-    from runner.launch import launch
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from runner.accelerate_config import apply_accelerate_config
+    from runner.spec import StrategyKind
+    from runner.launch import launch, world_size
     from runner.rundir import freeze, prepare_run_dir
     from runner.validate import validate
 
+    if spec.strategy.kind is StrategyKind.accelerate_config:
+        if not spec.strategy.config_file:
+            raise UserError("strategy=accelerate_config needs its file: add strategy.config_file=path/to/accelerate_config.yaml")
+        for note in apply_accelerate_config(spec):
+            sys.stderr.write(f"runner: note: {note}\n")
+    _apply_slurm_nodes(spec)
     spec.run_dir = str(run_dir.resolve())
-    validate(spec)
-    prepare_run_dir(run_dir, overwrite)
-    spec_path = freeze(spec, run_dir, composed, overrides)
-    launch(spec, spec_path)
+    validate(spec, world_size(spec.launch))
+    if spec.launch.nnodes > 1 and not run_dir_chosen:
+        raise UserError(
+            "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
+            "(the same on every node's command line)."
+        )
+    if spec.launch.node_rank > 0:
+        # Node 0 owns the run folder; this node's workers only need the spec.
+        spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
+    else:
+        prepare_run_dir(run_dir, overwrite)
+        spec_path = freeze(spec, run_dir, composed, overrides)
+    try:
+        launch(spec, spec_path)
+    except ChildFailedError as err:
+        # The failing rank's traceback was printed above by torch elastic's @record.
+        rank, failure = err.get_first_failure()
+        sys.stderr.write(f"runner: worker rank {rank} failed (exit code {failure.exitcode}); its error is shown above.\n")
+        raise SystemExit(1) from None
 
 
 def _hydra_task(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
 
     from runner.spec import to_spec
 
     hydra_cfg = HydraConfig.get()
+    chosen = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hydra_cfg.overrides.hydra)
     try:
-        spec = to_spec(cfg)
-        start(spec, Path(hydra_cfg.runtime.output_dir), spec.overwrite, cfg, tuple(hydra_cfg.overrides.task))
+        try:
+            spec = to_spec(cfg)
+        except OmegaConfBaseException as err:  # e.g. a mandatory value (???) left unset
+            raise compose_error(err) from None
+        start(spec, Path(hydra_cfg.runtime.output_dir), spec.overwrite, cfg, tuple(hydra_cfg.overrides.task), chosen)
     except UserError as err:
         # Exit here: an exception would make Hydra print "Error executing job" first.
-        exit_with(err)
+        refuse(err)
 
 
 def _run_spec_file(argv: list[str]) -> None:
@@ -71,19 +133,37 @@ def _run_spec_file(argv: list[str]) -> None:
         raise compose_error(err) from None
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = args.run_dir or Path("outputs") / spec.name / f"{stamp}_{short_hash(args.spec.read_text())}"
-    start(spec, run_dir, args.overwrite or spec.overwrite)
+    start(spec, run_dir, args.overwrite or spec.overwrite, run_dir_chosen=args.run_dir is not None)
+
+
+def _follow() -> None:
+    """Rank > 0 of a torchrun / accelerate launch / srun launch: no Hydra, rank 0's spec."""
+    from runner.launch import prepare_environment
+    from runner.worker import run
+
+    prepare_environment(1)
+    run(None)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    # Back torch's large CPU tensors (logits over a 50k vocabulary) with huge pages:
+    # measured 27% faster steps for the tiny GPT-2, from ~200k to ~6k page faults a
+    # step. Read by torch at its first allocation, and inherited by spawned workers.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    from runner.distributed import joined_launch
+
     argv = sys.argv[1:] if argv is None else argv
     _offline_defaults()
+    joined = joined_launch()
     try:
-        if any(a == "--spec" or a.startswith("--spec=") for a in argv):
+        if joined is not None and joined.rank != 0:
+            _follow()
+        elif any(a == "--spec" or a.startswith("--spec=") for a in argv):
             _run_spec_file(argv)
-            return
-        _run_hydra(argv)
+        else:
+            _run_hydra(argv)
     except UserError as err:
-        exit_with(err)
+        refuse(err)
 
 
 def _run_hydra(argv: list[str]) -> None:

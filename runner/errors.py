@@ -63,6 +63,8 @@ def compose_error(exc: BaseException) -> UserError:
         hint = f" Did you mean '{parent + '.' if parent else ''}{close[0]}'?" if close else ""
         valid = f" Valid keys{' in ' + parent if parent else ''}: {', '.join(siblings)}." if siblings else ""
         return UserError(f"unknown key '{key}'.{hint}{valid} (`runner --cfg job` prints every key.)")
+    if type(cause).__name__ == "MissingMandatoryValue" and full_key:
+        return UserError(f"'{full_key}' must be set: add {full_key}=... to the command line.")
     if type(cause).__name__ == "ValidationError" and full_key:
         return UserError(f"bad value for '{full_key}': {first_line}. Fix the override {full_key}=...")
     if type(exc).__name__ == "MissingConfigException":

@@ -2,7 +2,8 @@
 
 `accelerate launch --cpu --num_processes 2` silently starts one process, so we spawn
 with torch's elastic launcher ourselves: c10d rendezvous, spawn start method, and
-`@record` on the entry so a worker's traceback reaches the user.
+`@record` on the entry so a worker's traceback reaches the user. Under torchrun,
+`accelerate launch` or srun the processes already exist: we join (runner/distributed.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from runner.paths import default_cache_dir
 from runner.spec import LaunchSpec, RunSpec
 
 
@@ -26,13 +28,29 @@ def resolve_nproc(launch: LaunchSpec) -> int:
 
 
 def world_size(launch: LaunchSpec) -> int:
-    return resolve_nproc(launch) * launch.nnodes
+    from runner.distributed import joined_launch
+
+    joined = joined_launch()
+    return joined.world_size if joined else resolve_nproc(launch) * launch.nnodes
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def prepare_environment(local_workers: int) -> None:
+    """Settings every worker inherits."""
+    import torch
+
+    # Workers share the cores: without this each one starts a thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // local_workers, 1)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
+    # DeepSpeed JIT-compiles its CPU ops once (~20 s); keep them in our cache.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
 
 
 @record
@@ -43,26 +61,39 @@ def _worker_entry(spec_path: str) -> None:
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
-    nproc = resolve_nproc(spec.launch)
-    if nproc * spec.launch.nnodes == 1:
-        from runner.worker import train
+    from runner.accel import is_zero
+    from runner.distributed import joined_launch
+    from runner.worker import run
 
-        train(spec)
+    if joined_launch() is not None:  # we are rank 0 of an outside launch
+        prepare_environment(1)
+        run(spec)
+        return
+    nproc = resolve_nproc(spec.launch)
+    prepare_environment(nproc)
+    if nproc * spec.launch.nnodes == 1:
+        if is_zero(spec.strategy):
+            # DeepSpeed always wants a process group, even of one.
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        run(spec)
         return
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Workers share the cores: without this each one starts a thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    multi_node = spec.launch.nnodes > 1
     endpoint = spec.launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
         min_nodes=spec.launch.nnodes,
         max_nodes=spec.launch.nnodes,
         nproc_per_node=nproc,
-        run_id=os.environ.get("RUNNER_RUN_ID", uuid.uuid5(uuid.NAMESPACE_URL, endpoint).hex[:12]),
+        # Every node must name the same run id: derive it from the shared endpoint.
+        run_id=uuid.uuid5(uuid.NAMESPACE_URL, f"runner:{endpoint}").hex[:12],
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": spec.launch.node_rank} if spec.launch.nnodes > 1 else {},
+        # Node 0 hosts the rendezvous store; the others connect to it.
+        rdzv_configs={"is_host": spec.launch.node_rank == 0} if multi_node else {},
         max_restarts=spec.launch.max_restarts,
         start_method="spawn",
         monitor_interval=0.5,

@@ -24,6 +24,7 @@ class StrategyKind(str, enum.Enum):
     ddp = "ddp"
     zero2 = "zero2"
     zero3 = "zero3"
+    accelerate_config = "accelerate_config"  # read from strategy.config_file, then one of the above
 
 
 class PrecisionKind(str, enum.Enum):
@@ -137,6 +138,9 @@ class TrainSpec:
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step.
     Global batch = per_device_batch_size x world size x grad_accum_steps."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step. When set, grad_accum_steps is derived from it:
+    global_batch_size / (per_device_batch_size x world size), which must divide."""
     max_steps: Optional[int] = None
     """Optimizer steps to run. null: run `num_epochs` epochs."""
     num_epochs: float = 3.0
@@ -172,13 +176,17 @@ class LaunchSpec:
 @dataclass
 class StrategySpec:
     kind: StrategyKind = StrategyKind.ddp
-    """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate)."""
+    """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate) |
+    accelerate_config (translate strategy.config_file into one of those)."""
     offload_optimizer: OffloadDevice = OffloadDevice.none
     """ZeRO only: none | cpu."""
     offload_params: OffloadDevice = OffloadDevice.none
     """ZeRO-3 only: none | cpu."""
     zero3_save_16bit_model: bool = True
     """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model."""
+    config_file: Optional[str] = None
+    """An accelerate config YAML (as `accelerate config` writes) to read the strategy,
+    precision, accumulation, clipping and process layout from (strategy=accelerate_config)."""
 
 
 @dataclass
@@ -227,11 +235,13 @@ def save_spec(spec: RunSpec, path: Path) -> None:
     tmp.replace(path)
 
 
+def spec_from_yaml(text: str) -> RunSpec:
+    """Parse a frozen spec, still checked against the schema (a hand-edited typo fails)."""
+    return to_spec(OmegaConf.merge(OmegaConf.structured(RunSpec), OmegaConf.create(text)))
+
+
 def load_spec(path: Path) -> RunSpec:
-    """Read a frozen spec, still checked against the schema (a hand-edited typo fails)."""
-    schema = OmegaConf.structured(RunSpec)
-    merged = OmegaConf.merge(schema, OmegaConf.load(path))
-    return to_spec(merged)
+    return spec_from_yaml(Path(path).read_text())
 
 
 def spec_dict(spec: RunSpec) -> dict[str, Any]:

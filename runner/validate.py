@@ -134,12 +134,34 @@ def check_machine(spec: RunSpec) -> list[str]:
     return problems
 
 
+def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
+    """train.global_batch_size -> train.grad_accum_steps (written into the frozen spec)."""
+    t = spec.train
+    if t.global_batch_size is None:
+        return []
+    per_step = t.per_device_batch_size * world_size
+    if t.global_batch_size <= 0 or per_step <= 0 or t.global_batch_size % per_step:
+        return [
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of per_device_batch_size x world size "
+            f"= {t.per_device_batch_size} x {world_size} = {per_step}. Change train.global_batch_size, "
+            "train.per_device_batch_size or launch.nproc_per_node."
+        ]
+    derived = t.global_batch_size // per_step
+    if t.grad_accum_steps not in (1, derived):
+        return [
+            f"train.grad_accum_steps={t.grad_accum_steps} contradicts train.global_batch_size={t.global_batch_size} "
+            f"(which needs {derived}). Set only one of them."
+        ]
+    t.grad_accum_steps = derived
+    return []
+
+
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (check_numbers, check_machine, check_data_source, check_model)
 
 
-def validate(spec: RunSpec) -> None:
+def validate(spec: RunSpec, world_size: int = 1) -> None:
     """Raise one UserError listing every problem found."""
-    problems: list[str] = []
+    problems: list[str] = derive_accumulation(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     if problems:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.spec import RunSpec, load_spec
 
@@ -58,10 +59,21 @@ def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir
     return out
 
 
+def run(spec: Optional[RunSpec]) -> dict[str, Any]:
+    """Join the process group (if any), agree on rank 0's spec, train."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from runner.distributed import agree_on_spec, init_process_group
+
+        init_process_group()
+        spec = agree_on_spec(spec)
+    assert spec is not None, "a single process always has its spec"
+    return train(spec)
+
+
 def train(spec: RunSpec) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
-    from runner.accel import build_accelerator, check_engaged, describe
+    from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
     from runner.metrics import summary_table, write_results
@@ -80,69 +92,90 @@ def train(spec: RunSpec) -> dict[str, Any]:
     config = build_config(spec.model)
     model = build_model(spec.model, config, len(tokenizer))
 
-    accelerator = build_accelerator(spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm)
+    accelerator = build_accelerator(
+        spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm, compile_model=spec.model.compile
+    )
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
-    try:
-        block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
-        with accelerator.main_process_first():  # tokenize once; other ranks read the cache
-            data = prepare(spec.data, tokenizer, block_size)
-        if accelerator.is_main_process:
-            state = "reused" if data.cache_hit else "built"
-            log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
+    block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
+    with accelerator.main_process_first():  # tokenize once; other ranks read the cache
+        data = prepare(spec.data, tokenizer, block_size)
+    if accelerator.is_main_process:
+        state = "reused" if data.cache_hit else "built"
+        log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
 
-        train_loader, eval_loader = _loaders(spec, data)
-        optimizer = build_optimizer(spec.optim, model)
-        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-        world_size = accelerator.num_processes
-        check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
+    train_loader, eval_loader = _loaders(spec, data)
+    optimizer = build_optimizer(spec.optim, model)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    world_size = accelerator.num_processes
+    check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
 
-        per_epoch = steps_per_epoch(len(train_loader), t.grad_accum_steps)
-        plan = RunPlan(
-            world_size=world_size,
-            per_device_batch_size=t.per_device_batch_size,
-            grad_accum_steps=t.grad_accum_steps,
-            block_size=block_size,
-            steps_per_epoch=per_epoch,
-            total_steps=total_steps(t.max_steps, t.num_epochs, per_epoch),
-            train_blocks=len(data.train),
-            eval_blocks=len(data.validation),
-            parameters=count_parameters(accelerator.unwrap_model(model)),
-            strategy=spec.strategy.kind.value,
-            precision=spec.precision.kind.value,
-            device=describe(accelerator)["device"],
-            lr=spec.optim.lr,
-        )
-        scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
-        if accelerator.is_main_process:
-            log.info(banner(plan, str(run_dir)))
+    per_epoch = steps_per_epoch(len(train_loader), t.grad_accum_steps)
+    plan = RunPlan(
+        world_size=world_size,
+        per_device_batch_size=t.per_device_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        block_size=block_size,
+        steps_per_epoch=per_epoch,
+        total_steps=total_steps(t.max_steps, t.num_epochs, per_epoch),
+        train_blocks=len(data.train),
+        eval_blocks=len(data.validation),
+        parameters=count_parameters(accelerator.unwrap_model(model)),
+        strategy=spec.strategy.kind.value,
+        precision=spec.precision.kind.value,
+        device=describe(accelerator)["device"],
+        lr=spec.optim.lr,
+    )
+    scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
+    if accelerator.is_main_process:
+        log.info(banner(plan, str(run_dir)))
 
-        trainer = Trainer(
-            accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
-            max_grad_norm=spec.optim.max_grad_norm,
-            log_every=t.log_every,
-            eval_every=t.eval_every,
-            save_every=t.save_every,
-            keep_checkpoints=t.keep_checkpoints,
-        )
-        train_results, eval_results = trainer.fit()
-        if t.save_every:
-            from runner.checkpoint import save_checkpoint
+    trainer = Trainer(
+        accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
+        max_grad_norm=spec.optim.max_grad_norm,
+        log_every=t.log_every,
+        eval_every=t.eval_every,
+        save_every=t.save_every,
+        keep_checkpoints=t.keep_checkpoints,
+    )
+    train_results, eval_results = trainer.fit()
+    fingerprints = rank_fingerprints(accelerator, model, spec.strategy)
+    check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
+    train_results["rank_param_fingerprints"] = fingerprints
+    if t.save_every:
+        from runner.checkpoint import save_checkpoint
 
-            save_checkpoint(accelerator, run_dir, trainer.state.step, t.keep_checkpoints, {"epoch": trainer.state.epoch})
-        save_outputs(accelerator, model, tokenizer, run_dir)
-        results: dict[str, Any] = {}
-        if accelerator.is_main_process:
-            train_results["train_samples_total"] = len(data.train)
-            results = write_results(run_dir, train_results, eval_results or None)
-            plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
-            log.info(summary_table(results, run_dir))
-        accelerator.wait_for_everyone()
-        return results
-    finally:
+        save_checkpoint(accelerator, run_dir, trainer.state.step, t.keep_checkpoints, {"epoch": trainer.state.epoch})
+    save_outputs(accelerator, model, tokenizer, run_dir)
+    results: dict[str, Any] = {}
+    if accelerator.is_main_process:
+        train_results["train_samples_total"] = len(data.train)
+        results = write_results(run_dir, train_results, eval_results or None)
+        plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
+        log.info(summary_table(results, run_dir))
+    # Only on success: after a failure, exit at once (no barrier) so the launcher sees
+    # it and stops the other ranks, which may be stuck in a collective.
+    _close(accelerator)
+    return results
+
+
+def _close(accelerator: "Accelerator") -> None:
+    """Leave together: a barrier, then tear the process group down, so no rank exits
+    while another still talks to it (seen as rare aborts at exit under ZeRO-3)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            accelerator.end_training()  # destroys the process group
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    else:
         accelerator.end_training()
 
 
 def main(spec_path: str) -> None:
-    """Entry for a spawned or joined worker process."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    train(load_spec(Path(spec_path)))
+    """Entry for a spawned worker process."""
+    # torch.distributed's deprecation notices, once per collective per rank, bury the log.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    run(load_spec(Path(spec_path)))

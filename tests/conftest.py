@@ -9,6 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the runner sets it (see runner/cli.py)
 
 from pathlib import Path
 from typing import Callable, Iterator

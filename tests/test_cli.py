@@ -26,7 +26,7 @@ def assert_refused(capsys, tmp_path, *args, expect):
 
 
 def test_unknown_key(capsys, tmp_path):
-    assert_refused(capsys, tmp_path, "train.batch_size=4", expect=["unknown key 'train.batch_size'", "train.per_device_batch_size"])
+    assert_refused(capsys, tmp_path, "train.batch_size=4", expect=["unknown key 'train.batch_size'", "Did you mean", "per_device_batch_size"])
 
 
 def test_wrong_type(capsys, tmp_path):

@@ -1,0 +1,125 @@
+"""Read an accelerate config YAML (what `accelerate config` writes) into the run spec.
+
+Users arrive with `accelerate launch --config_file deepspeed_zero2.yaml run_clm.py`.
+`strategy=accelerate_config strategy.config_file=deepspeed_zero2.yaml` gives the
+same run: each key either maps onto a spec field (ACCELERATE_KEYS, also the
+README's table) or gets a note saying why it is not honoured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.errors import UserError
+from runner.spec import OffloadDevice, PrecisionKind, RunSpec, StrategyKind
+
+# accelerate config key -> the runner override that does the same.
+ACCELERATE_KEYS: dict[str, str] = {
+    "distributed_type: MULTI_GPU / MULTI_CPU / NO": "strategy=ddp",
+    "distributed_type: DEEPSPEED + zero_stage: 2": "strategy=zero2",
+    "distributed_type: DEEPSPEED + zero_stage: 3": "strategy=zero3",
+    "mixed_precision: no / bf16 / fp16": "precision=fp32 / bf16 / fp16",
+    "num_processes (all machines)": "launch.nproc_per_node (per machine) x launch.nnodes",
+    "num_machines": "launch.nnodes",
+    "machine_rank": "launch.node_rank",
+    "main_process_ip + main_process_port": "launch.rdzv_endpoint=IP:PORT",
+    "deepspeed_config.gradient_accumulation_steps": "train.grad_accum_steps",
+    "deepspeed_config.gradient_clipping": "optim.max_grad_norm",
+    "deepspeed_config.offload_optimizer_device": "strategy.offload_optimizer",
+    "deepspeed_config.offload_param_device": "strategy.offload_params",
+    "deepspeed_config.zero3_save_16bit_model": "strategy.zero3_save_16bit_model",
+}
+
+# Keys that need no action here, with the reason a user might want to know.
+_NOTED: dict[str, str] = {
+    "gpu_ids": "choose GPUs with CUDA_VISIBLE_DEVICES",
+    "use_cpu": "the runner uses a GPU when there is one, the CPU otherwise",
+    "downcast_bf16": "only meaningful on TPUs",
+    "dynamo_config": "use model.compile=true",
+    "rdzv_backend": "the runner always uses a c10d rendezvous",
+    "debug": "not needed",
+    "enable_cpu_affinity": "not supported",
+    "deepspeed_config.zero3_init_flag": "the model is always built before the engine, so ZeRO-3 starts from the same weights as DDP",
+    "deepspeed_config.deepspeed_config_file": "a raw DeepSpeed JSON is not read; give its settings as strategy fields",
+    "deepspeed_config.deepspeed_multinode_launcher": "the runner spawns its own workers on each node",
+}
+_SILENT = {"compute_environment", "main_training_function", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
+           "tpu_name", "tpu_zone", "commands", "command_file", "num_cpu_threads_per_process", "ipex_config", "mpirun_config"}
+
+
+def _offload(value: Any, key: str) -> OffloadDevice:
+    text = str(value or "none").lower()
+    if text not in ("none", "cpu"):
+        raise UserError(f"accelerate config {key}: {value!r} is not supported; use none or cpu.")
+    return OffloadDevice(text)
+
+
+def apply_accelerate_config(spec: RunSpec) -> list[str]:
+    """Set spec fields from spec.strategy.config_file; returns notes on unhonoured keys."""
+    path = Path(str(spec.strategy.config_file)).expanduser()
+    if not path.is_file():
+        raise UserError(f"strategy.config_file: no such file '{path}'. Give the YAML that `accelerate config` wrote.")
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"strategy.config_file '{path}' is not valid YAML ({err}).") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"strategy.config_file '{path}' does not hold a mapping of accelerate settings.")
+    notes: list[str] = []
+    kind = str(cfg.get("distributed_type", "NO")).upper()
+    ds = cfg.get("deepspeed_config") or {}
+    if kind in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU"):
+        spec.strategy.kind = StrategyKind.ddp
+    elif kind == "DEEPSPEED":
+        stage = int(ds.get("zero_stage", 2))
+        if stage not in (2, 3):
+            raise UserError(f"accelerate config zero_stage={stage}: the runner offers ZeRO stages 2 and 3 (strategy=zero2|zero3).")
+        spec.strategy.kind = StrategyKind.zero2 if stage == 2 else StrategyKind.zero3
+        spec.strategy.offload_optimizer = _offload(ds.get("offload_optimizer_device"), "offload_optimizer_device")
+        spec.strategy.offload_params = _offload(ds.get("offload_param_device"), "offload_param_device")
+        if "zero3_save_16bit_model" in ds:
+            spec.strategy.zero3_save_16bit_model = bool(ds["zero3_save_16bit_model"])
+        if "gradient_accumulation_steps" in ds:
+            spec.train.grad_accum_steps = int(ds["gradient_accumulation_steps"])
+        if "gradient_clipping" in ds:
+            spec.optim.max_grad_norm = float(ds["gradient_clipping"])
+    else:
+        raise UserError(
+            f"accelerate config distributed_type={kind} is not offered: use DDP (MULTI_GPU) or DEEPSPEED "
+            "(strategy=ddp|zero2|zero3). FSDP does not engage on CPU and is not offered yet."
+        )
+
+    precision = str(cfg.get("mixed_precision", "no")).lower()
+    mapping = {"no": PrecisionKind.fp32, "bf16": PrecisionKind.bf16, "fp16": PrecisionKind.fp16}
+    if precision not in mapping:
+        raise UserError(f"accelerate config mixed_precision={precision} is not supported; use no, bf16 or fp16.")
+    spec.precision.kind = mapping[precision]
+
+    machines = int(cfg.get("num_machines", 1))
+    processes = int(cfg.get("num_processes", 1))
+    if processes % machines:
+        raise UserError(f"accelerate config num_processes={processes} does not divide over num_machines={machines}.")
+    spec.launch.nnodes = machines
+    spec.launch.nproc_per_node = str(processes // machines)
+    spec.launch.node_rank = int(cfg.get("machine_rank", 0))
+    if cfg.get("main_process_ip"):
+        spec.launch.rdzv_endpoint = f"{cfg['main_process_ip']}:{cfg.get('main_process_port', 29500)}"
+
+    handled = {"distributed_type", "deepspeed_config", "mixed_precision", "num_machines", "num_processes",
+               "machine_rank", "main_process_ip", "main_process_port"}
+    handled_ds = {"zero_stage", "offload_optimizer_device", "offload_param_device", "zero3_save_16bit_model",
+                  "gradient_accumulation_steps", "gradient_clipping"}
+    for key, value in cfg.items():
+        if key in handled or key in _SILENT or key.startswith(("fsdp", "megatron", "tpu")):
+            continue
+        reason = _NOTED.get(key, "unknown to the runner")
+        if value not in (None, False, "no", "all", [], {}) or key not in _NOTED:
+            notes.append(f"{path.name}: {key}={value!r} not applied ({reason}).")
+    for key, value in ds.items():
+        if key not in handled_ds:
+            reason = _NOTED.get(f"deepspeed_config.{key}", "unknown to the runner")
+            notes.append(f"{path.name}: deepspeed_config.{key}={value!r} not applied ({reason}).")
+    return notes

@@ -1,0 +1,129 @@
+"""Process-group plumbing: joining an outside launch, and making all ranks agree on the spec.
+
+Three ways workers start:
+- spawned by our launcher (runner/launch.py, torch elastic), one launcher per node;
+- joined: started by torchrun / `accelerate launch` / srun with one task per GPU. Each
+  process runs the `runner` command; only rank 0 composes with Hydra, the others
+  receive its frozen spec;
+- in-process at world size 1.
+In every multi-process case rank 0's spec is the one all ranks run; a rank whose
+own spec differs in anything but its run folder and node rank stops the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+from runner.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class JoinedLaunch:
+    rank: int
+    world_size: int
+    local_rank: int
+    source: str
+
+
+def _first_slurm_host() -> str:
+    import subprocess
+
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0].split("[")[0] or "127.0.0.1"
+
+
+def joined_launch() -> Optional[JoinedLaunch]:
+    """An outside launcher already started every process: describe this one, else None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env and int(env["WORLD_SIZE"]) > 1:
+        source = "torchrun/accelerate launch" if "TORCHELASTIC_RUN_ID" in env else "environment"
+        return JoinedLaunch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), source)
+    tasks = int(env.get("SLURM_NTASKS", "1"))
+    nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    if "SLURM_PROCID" in env and tasks > 1 and tasks != nodes:
+        # srun with one task per GPU: translate Slurm's variables for torch.distributed.
+        env.setdefault("MASTER_ADDR", _first_slurm_host())
+        env.setdefault("MASTER_PORT", "29500")
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], str(tasks)
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        return JoinedLaunch(int(env["RANK"]), tasks, int(env["LOCAL_RANK"]), "srun")
+    return None
+
+
+def slurm_node_launch() -> Optional[tuple[int, int, str]]:
+    """srun with one task per node: (nnodes, node_rank, rendezvous endpoint), else None."""
+    env = os.environ
+    tasks = int(env.get("SLURM_NTASKS", "0"))
+    nodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "0")))
+    if "SLURM_PROCID" in env and tasks == nodes and nodes > 1:
+        return nodes, int(env["SLURM_NODEID"]), f"{_first_slurm_host()}:{env.get('MASTER_PORT', '29500')}"
+    return None
+
+
+def init_process_group(timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed from the environment (Accelerate reuses it)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def broadcast_text(text: Optional[str]) -> Optional[str]:
+    """Rank 0's text on every rank (None means: rank 0 gave up)."""
+    import torch.distributed as dist
+
+    payload = [text]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+_LOCAL_FIELDS = ("run_dir", "launch.node_rank")
+
+
+def spec_differences(mine: RunSpec, leader: RunSpec) -> list[str]:
+    from runner.spec import spec_dict
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in d.items():
+            name = f"{prefix}{key}"
+            out.update(flat(value, name + ".") if isinstance(value, dict) else {name: value})
+        return out
+
+    a, b = flat(spec_dict(mine)), flat(spec_dict(leader))
+    return [f"{k}: {a.get(k)!r} here, {b.get(k)!r} on rank 0" for k in sorted(a) if k not in _LOCAL_FIELDS and a.get(k) != b.get(k)]
+
+
+def agree_on_spec(mine: Optional[RunSpec]) -> RunSpec:
+    """Every rank gets rank 0's spec; a different local spec is an error."""
+    import torch.distributed as dist
+
+    from runner.spec import spec_from_yaml, spec_to_yaml
+
+    rank = dist.get_rank()
+    text = broadcast_text(spec_to_yaml(mine) if rank == 0 and mine is not None else None)
+    if text is None:
+        raise SystemExit(2)  # rank 0 refused the spec and said why
+    leader = spec_from_yaml(text)
+    if mine is not None and rank != 0:
+        diffs = spec_differences(mine, leader)
+        if diffs:
+            raise RuntimeError(
+                f"rank {rank} was started with a different spec than rank 0 ({'; '.join(diffs)}). "
+                "Start every node with the same recipe and overrides."
+            )
+    return leader

@@ -1,0 +1,147 @@
+"""Two CPU processes (gloo): ddp, zero2 and zero3 do the same math as one process.
+
+Slow (each run spawns real workers); CI runs them with `-m "slow or not slow"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MICRO
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
+BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every"))] + ["train.eval_every=0"]
+LAYOUTS = {
+    "single_8": ["train.per_device_batch_size=8"],
+    "single_4x2": ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
+    "ddp_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
+    "zero2_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero2"],
+    "zero3_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero3"],
+}
+
+
+def runner(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *BASE, *overrides, f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+def losses(run_dir: Path, key: str = "loss") -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r and "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for name, overrides in LAYOUTS.items():
+        done = runner(root / name, *overrides)
+        assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single_8"])
+def test_losses_agree_with_one_process(runs, name):
+    reference = losses(runs["single_8"])
+    assert len(reference) == 8
+    assert losses(runs[name]) == pytest.approx(reference, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+def test_lr_per_step_is_the_same_at_two_processes(runs, name):
+    assert losses(runs[name], "lr") == pytest.approx(losses(runs["single_8"], "lr"), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+def test_ranks_hold_identical_parameters(runs, name):
+    results = json.loads((runs[name] / "all_results.json").read_text())
+    a, b = results["rank_param_fingerprints"]
+    assert a == pytest.approx(b, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_saved_model_reloads_with_the_same_weights(runs, name):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(runs[name] / "model")
+    reference = AutoModelForCausalLM.from_pretrained(runs["single_8"] / "model")
+    for (key, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.allclose(p.float(), q.float(), atol=1e-4), key
+
+
+def test_banner_shows_the_batch_arithmetic(runs):
+    log = (runs["zero2_2x4"] / "run.log").read_text()
+    assert "zero2 on 2 process(es)" in log
+    assert "global batch   8 = 4 per device x 2 process(es) x 1 accumulation" in log
+
+
+def test_accelerate_config_file_runs_like_zero2(runs, tmp_path):
+    done = runner(tmp_path / "acc", "strategy=accelerate_config",
+                  f"strategy.config_file={CONFIGS / 'cpu_zero2_2proc.yaml'}", "train.per_device_batch_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = (tmp_path / "acc" / "run_spec.yaml").read_text()
+    assert "kind: zero2" in spec and "nproc_per_node: '2'" in spec
+    assert losses(tmp_path / "acc") == pytest.approx(losses(runs["zero2_2x4"]), abs=1e-4)
+
+
+def test_global_batch_size_derives_accumulation(runs, tmp_path):
+    done = runner(tmp_path / "gbs", "launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.global_batch_size=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "grad_accum_steps: 2" in (tmp_path / "gbs" / "run_spec.yaml").read_text()
+    assert losses(tmp_path / "gbs") == pytest.approx(losses(runs["single_8"]), abs=1e-4)
+
+
+def test_two_nodes_on_one_machine_equal_single_node_ddp(runs, tmp_path):
+    """Two launchers as two 'nodes' (one worker each) meet at one c10d endpoint."""
+    from runner.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint={endpoint}", "train.per_device_batch_size=4"]
+    run_dir = tmp_path / "two_nodes"
+    cmd = [sys.executable, "-m", "runner", *BASE, *common, f"hydra.run.dir={run_dir}"]
+    nodes = [subprocess.Popen([*cmd, f"launch.node_rank={rank}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert losses(run_dir) == pytest.approx(losses(runs["ddp_2x4"]), abs=1e-4)
+
+
+def test_multi_node_needs_an_explicit_shared_run_folder():
+    done = subprocess.run([sys.executable, "-m", "runner", *BASE, "launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "hydra.run.dir" in done.stderr
+
+
+def test_a_rank_that_raises_stops_the_run(tmp_path):
+    """Rank 1 raises at its second step: the launcher stops everyone and exits non-zero."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        import runner.trainer as trainer
+        original = trainer.Trainer.train_step
+        def failing(self, batch):
+            if os.environ.get("RANK") == "1" and self.state.step >= 1:
+                raise RuntimeError("injected failure on rank 1")
+            return original(self, batch)
+        trainer.Trainer.train_step = failing
+    """))
+    done = runner(tmp_path / "fail", "launch.nproc_per_node=2", "train.per_device_batch_size=4",
+                  env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    assert done.returncode != 0
+    assert "injected failure on rank 1" in done.stderr
+    assert "worker rank 1 failed" in done.stderr
+    assert not (tmp_path / "fail" / "all_results.json").exists()
