@@ -130,3 +130,12 @@ def check_in_sync(fingerprints: list[float]) -> None:
     first = fingerprints[0]
     if any(abs(f - first) > 1e-6 * max(1.0, abs(first)) for f in fingerprints):
         raise EngagementError(f"ranks hold different parameters after training: {fingerprints}")
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons, so the next in-process run (a
+    sweep's next job) can choose another precision or strategy."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

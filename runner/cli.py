@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from runner.errors import UserError, compose_error, exit_with
+from runner.errors import RunFailed, UserError, compose_error, exit_with
 
 
 def _offline_defaults() -> None:
@@ -90,27 +90,51 @@ def start(
     except ChildFailedError as err:
         # The failing rank's traceback was printed above by torch elastic's @record.
         rank, failure = err.get_first_failure()
-        sys.stderr.write(f"runner: worker rank {rank} failed (exit code {failure.exitcode}); its error is shown above.\n")
-        raise SystemExit(1) from None
+        message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
+        reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+        raise RunFailed(f"worker rank {rank} failed: {reason}") from None
 
 
 def _hydra_task(cfg: Any) -> None:
+    import time
+
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
 
     from runner.spec import to_spec
+    from runner.sweep import write_job_status
 
     hydra_cfg = HydraConfig.get()
     chosen = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hydra_cfg.overrides.hydra)
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    started = time.perf_counter()
     try:
         try:
             spec = to_spec(cfg)
         except OmegaConfBaseException as err:  # e.g. a mandatory value (???) left unset
             raise compose_error(err) from None
-        start(spec, Path(hydra_cfg.runtime.output_dir), spec.overwrite, cfg, tuple(hydra_cfg.overrides.task), chosen)
-    except UserError as err:
-        # Exit here: an exception would make Hydra print "Error executing job" first.
-        refuse(err)
+        start(spec, job_dir, spec.overwrite, cfg, tuple(hydra_cfg.overrides.task), chosen)
+    except Exception as err:  # UserError, RunFailed, or a crash
+        if not sweeping:
+            if isinstance(err, UserError):
+                refuse(err)  # exit here: Hydra would print "Error executing job" first
+            if isinstance(err, RunFailed):
+                sys.stderr.write(f"runner: {err}; its error is shown above.\n")
+                raise SystemExit(1) from None
+            raise
+        # In a sweep a failed job is recorded, and the next job runs.
+        reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
+        write_job_status(job_dir, "failed", time.perf_counter() - started, list(hydra_cfg.overrides.task), reason)
+        sys.stderr.write(f"runner: job {hydra_cfg.job.num} failed: {reason}\n")
+        if not isinstance(err, (UserError, RunFailed)):
+            import traceback
+
+            traceback.print_exc()
+        return
+    if sweeping:
+        write_job_status(job_dir, "ok", time.perf_counter() - started, list(hydra_cfg.overrides.task))
 
 
 def _run_spec_file(argv: list[str]) -> None:
@@ -164,6 +188,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             _run_hydra(argv)
     except UserError as err:
         refuse(err)
+    except RunFailed as err:
+        sys.stderr.write(f"runner: {err}; its error is shown above.\n")
+        raise SystemExit(1) from None
 
 
 def _run_hydra(argv: list[str]) -> None:

@@ -27,6 +27,10 @@ class UserError(Exception):
         return "\n".join(lines)
 
 
+class RunFailed(Exception):
+    """Training itself failed (a worker crashed); its traceback was already shown."""
+
+
 def exit_with(error: UserError) -> NoReturn:
     sys.stderr.write(error.render() + "\n")
     sys.stderr.flush()

@@ -53,6 +53,25 @@ def prepare_environment(local_workers: int) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
 
 
+def _run_in_process(spec: RunSpec) -> None:
+    from runner.accel import is_zero, reset_accelerate_state
+    from runner.worker import run
+
+    saved = dict(os.environ)
+    if is_zero(spec.strategy):
+        # DeepSpeed always wants a process group, even of one.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        run(spec)
+    finally:
+        # A sweep runs its jobs in this process: leave no state for the next one.
+        reset_accelerate_state()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @record
 def _worker_entry(spec_path: str) -> None:
     from runner.worker import main
@@ -61,7 +80,6 @@ def _worker_entry(spec_path: str) -> None:
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
-    from runner.accel import is_zero
     from runner.distributed import joined_launch
     from runner.worker import run
 
@@ -72,12 +90,7 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc)
     if nproc * spec.launch.nnodes == 1:
-        if is_zero(spec.strategy):
-            # DeepSpeed always wants a process group, even of one.
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        run(spec)
+        _run_in_process(spec)
         return
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -49,6 +49,17 @@ class Progress:
             self.bar.close()
 
 
+def peak_memory_mb(device: Any = None) -> float:
+    """Peak memory of this rank: CUDA max allocated on a GPU, else the process's peak RSS."""
+    import torch
+
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def perplexity(loss: float) -> float:
     try:
         return math.exp(loss)

@@ -36,6 +36,7 @@ class LoopState:
     loss_count: int = 0
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
+    skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered
     last_eval: dict[str, float] = field(default_factory=dict)
 
 
@@ -118,6 +119,8 @@ class Trainer:
             if acc.sync_gradients and not acc.optimizer_step_was_skipped:
                 # Stepped here, once per optimizer step, never by Accelerate per process.
                 self.scheduler.step()
+            elif acc.sync_gradients:
+                s.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
         detached = loss.detach().float()
         s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
@@ -146,8 +149,20 @@ class Trainer:
             "tokens_per_s": rate * plan.tokens_per_step,
             "samples_per_s": rate * plan.global_batch_size,
         }
+        scale = self._loss_scale()
+        if scale is not None:
+            record.update(loss_scale=scale, skipped_steps=s.skipped_steps)
         self.metrics.write(record)
         return record
+
+    def _loss_scale(self) -> Optional[float]:
+        """fp16's dynamic loss scale (Accelerate's GradScaler or DeepSpeed's), else None."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+        engine_optimizer = getattr(self.model, "optimizer", None)
+        scale = getattr(engine_optimizer, "cur_scale", None) if self.accelerator.mixed_precision == "fp16" else None
+        return float(scale) if scale is not None else None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

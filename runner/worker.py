@@ -71,12 +71,13 @@ def run(spec: Optional[RunSpec]) -> dict[str, Any]:
 
 
 def train(spec: RunSpec) -> dict[str, Any]:
+    import torch
     from accelerate.utils import set_seed
 
     from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
-    from runner.metrics import summary_table, write_results
+    from runner.metrics import peak_memory_mb, summary_table, write_results
     from runner.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
     from runner.optim import build_optimizer, build_scheduler
     from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
@@ -97,7 +98,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     )
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
-    with accelerator.main_process_first():  # tokenize once; other ranks read the cache
+    # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
+    with accelerator.local_main_process_first():
         data = prepare(spec.data, tokenizer, block_size)
     if accelerator.is_main_process:
         state = "reused" if data.cache_hit else "built"
@@ -121,7 +123,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         eval_blocks=len(data.validation),
         parameters=count_parameters(accelerator.unwrap_model(model)),
         strategy=spec.strategy.kind.value,
-        precision=spec.precision.kind.value,
+        precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
         lr=spec.optim.lr,
     )
@@ -141,6 +143,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     fingerprints = rank_fingerprints(accelerator, model, spec.strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
+    peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
+    train_results["peak_memory_mb_per_rank"] = [round(float(v), 1) for v in peaks.cpu()]
+    train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
     if t.save_every:
         from runner.checkpoint import save_checkpoint
 

@@ -145,3 +145,26 @@ def test_a_rank_that_raises_stops_the_run(tmp_path):
     assert "injected failure on rank 1" in done.stderr
     assert "worker rank 1 failed" in done.stderr
     assert not (tmp_path / "fail" / "all_results.json").exists()
+
+
+def test_joins_a_torchrun_launch_instead_of_spawning(runs, tmp_path):
+    """Under torchrun every process runs `runner`; rank 0 composes, one run folder results."""
+    run_dir = tmp_path / "torchrun"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "runner", *BASE,
+         "train.per_device_batch_size=4", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == pytest.approx(losses(runs["ddp_2x4"]), abs=1e-4)
+    assert "ddp on 2 process(es)" in (run_dir / "run.log").read_text()
+
+
+def test_joined_ranks_stop_when_rank_0_refuses_the_config(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "runner", *BASE,
+         "data.block_size=4096", f"hydra.run.dir={tmp_path / 'bad'}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode != 0
+    assert "data.block_size=4096" in done.stderr

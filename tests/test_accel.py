@@ -1,0 +1,48 @@
+"""The Accelerator we build: precision really in effect, strategy engaged as asked."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from runner.accel import EngagementError, build_accelerator, check_engaged, check_in_sync, reset_accelerate_state
+from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+
+SUPPORTED_HERE = [PrecisionKind.fp32, PrecisionKind.bf16] + ([PrecisionKind.fp16] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+@pytest.mark.parametrize("precision", SUPPORTED_HERE, ids=lambda p: p.value)
+def test_requested_dtype_is_in_effect_inside_forward(precision):
+    """A matmul inside the forward runs in the dtype the spec asked for."""
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=precision), grad_accum_steps=1, max_grad_norm=1.0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100))
+    seen = []
+    model.transformer.h[0].attn.c_attn.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    model = accelerator.prepare(model)
+    model(input_ids=torch.randint(0, 100, (2, 8), device=accelerator.device))
+    expected = {PrecisionKind.fp32: torch.float32, PrecisionKind.bf16: torch.bfloat16, PrecisionKind.fp16: torch.float16}
+    assert seen == [expected[precision]]
+    check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(kind=precision), world_size=1)
+
+
+def test_engagement_check_catches_a_mismatch():
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(EngagementError, match="world size is 1, expected 2"):
+        check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(), world_size=2)
+    with pytest.raises(EngagementError, match="DeepSpeed ZeRO-3"):
+        check_engaged(accelerator, model, StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), world_size=1)
+    with pytest.raises(EngagementError, match="mixed precision"):
+        check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(kind=PrecisionKind.bf16), world_size=1)
+
+
+def test_rank_sync_check():
+    check_in_sync([1.0, 1.0])
+    with pytest.raises(EngagementError, match="different parameters"):
+        check_in_sync([1.0, 1.5])
