@@ -33,8 +33,18 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
 def save_checkpoint(
-    accelerator: "Accelerator", run_dir: Path, step: int, keep: int, extra: Optional[dict[str, Any]] = None
+    accelerator: "Accelerator",
+    run_dir: Path,
+    step: int,
+    keep: int,
+    extra: Optional[dict[str, Any]] = None,
+    spec_yaml: str = "",
 ) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
@@ -45,6 +55,9 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))  # every rank takes part (DeepSpeed shards)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if spec_yaml:
+            (tmp / "run_spec.yaml").write_text(spec_yaml)  # what a resume is checked against
+        # The marker is written last: a folder without it is never loaded.
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -52,3 +65,26 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    return json.loads((path / COMPLETE_MARKER).read_text())
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / COMPLETE_MARKER).is_file()
+
+
+def load_checkpoint(accelerator: "Accelerator", path: Path) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG states; returns the loop state saved with them."""
+    from runner.errors import UserError
+
+    try:
+        meta = read_marker(path)
+        accelerator.load_state(str(path))
+    except Exception as err:  # a truncated or tampered file: never continue half-restored
+        raise UserError(
+            f"checkpoint {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            f"Resume from an older one (resume=PATH) or start a new run."
+        ) from None
+    return meta

@@ -58,13 +58,19 @@ def start(
     """Validate, claim the run folder, freeze the spec, launch. Shared by both entries."""
     import tempfile
 
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from runner.signals import EXIT_CODES
 
     from runner.accelerate_config import apply_accelerate_config
     from runner.spec import StrategyKind
     from runner.launch import launch, world_size
+    from runner.resume import check_resume
     from runner.rundir import freeze, prepare_run_dir
-    from runner.validate import validate
+    from runner.validate import check_blocks, validate
 
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
@@ -74,19 +80,34 @@ def start(
     _apply_slurm_nodes(spec)
     spec.run_dir = str(run_dir.resolve())
     validate(spec, world_size(spec.launch))
+    check_blocks(spec)
     if spec.launch.nnodes > 1 and not run_dir_chosen:
         raise UserError(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
             "(the same on every node's command line)."
         )
+    resuming = False
+    if spec.resume is not None:
+        checkpoint, notes = check_resume(spec, run_dir.resolve(), world_size(spec.launch), None)
+        for note in notes:
+            sys.stderr.write(f"runner: {note}\n")
+        resuming = checkpoint is not None or spec.resume == "auto"
     if spec.launch.node_rank > 0:
         # Node 0 owns the run folder; this node's workers only need the spec.
         spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
     else:
-        prepare_run_dir(run_dir, overwrite)
+        prepare_run_dir(run_dir, overwrite, resuming=resuming)
         spec_path = freeze(spec, run_dir, composed, overrides)
     try:
         launch(spec, spec_path)
+    except SignalException as err:
+        # The launcher was signalled; the workers got it too and checkpointed.
+        code = EXIT_CODES.get(signal.Signals(err.sigval), 1)
+        sys.stderr.write(
+            f"runner: stopped by {signal.Signals(err.sigval).name}. Resume with: runner --spec {run_dir / 'run_spec.yaml'} "
+            f"--run-dir {run_dir} --resume auto\n"
+        )
+        raise SystemExit(code) from None
     except ChildFailedError as err:
         # The failing rank's traceback was printed above by torch elastic's @record.
         rank, failure = err.get_first_failure()
@@ -148,6 +169,7 @@ def _run_spec_file(argv: list[str]) -> None:
     parser.add_argument("--spec", required=True, type=Path, help="path to a run_spec.yaml")
     parser.add_argument("--run-dir", type=Path, default=None, help="output folder (default: a new one under outputs/)")
     parser.add_argument("--overwrite", action="store_true", help="replace results already in --run-dir")
+    parser.add_argument("--resume", default=None, help="auto (newest complete checkpoint in --run-dir) or a checkpoint path")
     args = parser.parse_args(argv)
     if not args.spec.is_file():
         raise UserError(f"--spec {args.spec}: no such file. Give the run_spec.yaml of an earlier run.")
@@ -155,6 +177,8 @@ def _run_spec_file(argv: list[str]) -> None:
         spec = load_spec(args.spec)
     except Exception as err:  # schema violations in a hand-edited file
         raise compose_error(err) from None
+    if args.resume is not None:
+        spec.resume = args.resume
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = args.run_dir or Path("outputs") / spec.name / f"{stamp}_{short_hash(args.spec.read_text())}"
     start(spec, run_dir, args.overwrite or spec.overwrite, run_dir_chosen=args.run_dir is not None)

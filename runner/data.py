@@ -106,6 +106,15 @@ def load_raw(data: DataSpec) -> "DatasetDict":
         train = raw["train"]
         n_val = len(train) * data.validation_split_percentage // 100
         raw = DatasetDict(validation=train.select(range(n_val)), train=train.select(range(n_val, len(train))))
+    from runner.errors import UserError
+
+    if len(raw["validation"]) == 0:
+        raise UserError(
+            "the validation data leaves no eval rows. Raise data.validation_split_percentage "
+            "or give data.validation_file."
+        )
+    if len(raw["train"]) == 0:
+        raise UserError("the training split has no rows. Give more data or lower data.validation_split_percentage.")
     return DatasetDict(train=raw["train"], validation=raw["validation"])
 
 
@@ -156,6 +165,27 @@ def tokenize_and_group(
     )
 
 
+def _refuse_empty(blocks: "DatasetDict", data: DataSpec, block_size: int) -> None:
+    """A split too short for one block cannot train or evaluate; say which and why."""
+    from runner.errors import UserError
+
+    source = data.train_file or data.dataset_name
+    problems = []
+    if len(blocks["train"]) == 0:
+        problems.append(
+            f"the training data ({source}) is shorter than one block of {block_size} tokens. "
+            "Give more text or lower data.block_size."
+        )
+    if len(blocks["validation"]) == 0:
+        where = data.validation_file or f"{data.validation_split_percentage}% of {source}"
+        problems.append(
+            f"the validation data ({where}) is shorter than one block of {block_size} tokens. Raise "
+            "data.validation_split_percentage, give a longer data.validation_file, or lower data.block_size."
+        )
+    if problems:
+        raise UserError(problems)
+
+
 def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
     """Cached blocks for train and validation; builds them if absent."""
     from datasets import load_from_disk
@@ -166,6 +196,7 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     hit = (path / COMPLETE_MARKER).exists()
     if not hit:
         blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
+        _refuse_empty(blocks, data, block_size)
         # Build beside the final folder and rename, so a crash never leaves a
         # half-written entry that a later run would trust.
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -196,3 +227,24 @@ def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]
     input_ids = torch.stack([row["input_ids"] for row in batch])
     # Causal LM: labels are the inputs; the model shifts them by one internally.
     return {"input_ids": input_ids, "labels": input_ids}
+
+
+class EpochSampler:
+    """Shuffles with seed + epoch, so epoch e's order is known without replaying
+    epochs 0..e-1: a resumed run continues the exact order (torch's RandomSampler
+    with a seeded generator gives the same epoch-0 order)."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples

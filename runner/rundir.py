@@ -30,9 +30,13 @@ def existing_results(run_dir: Path) -> list[str]:
     return [name for name in RESULT_NAMES if (run_dir / name).exists()]
 
 
-def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+def prepare_run_dir(run_dir: Path, overwrite: bool, resuming: bool = False) -> None:
     """Refuse a folder that already holds results unless overwrite=true; with it,
-    remove only what a run writes (never other files the user keeps there)."""
+    remove only what a run writes (never other files the user keeps there). A
+    resumed run continues in its folder and removes nothing."""
+    if resuming:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return
     found = existing_results(run_dir)
     if found and not overwrite:
         raise UserError(

@@ -209,6 +209,9 @@ class RunSpec:
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     overwrite: bool = False
     """Allow writing into a run folder that already holds results."""
+    resume: Optional[str] = None
+    """auto: continue from the newest complete checkpoint in the run folder (fresh if
+    there is none, and it says so); PATH: continue from that checkpoint; null: start fresh."""
     run_dir: str = ""
     """Set by the launcher: the run folder (hydra.run.dir). Not for users to set."""
 

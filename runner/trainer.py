@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from runner.checkpoint import save_checkpoint
+from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.metrics import MetricsWriter, Progress, perplexity
 from runner.plan import RunPlan
+from runner.signals import StopRequest, Stopped
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -27,11 +28,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 
+class NonFiniteLoss(RuntimeError):
+    """A NaN or inf loss or gradient norm: the run stops before the optimizer step."""
+
+
 @dataclass
 class LoopState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    micro_batches: int = 0
+    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch (the data position)
     loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
     loss_count: int = 0
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
@@ -57,6 +62,8 @@ class Trainer:
         eval_every: int,
         save_every: int,
         keep_checkpoints: int,
+        sampler: Any = None,
+        spec_yaml: str = "",
     ) -> None:
         self.accelerator = accelerator
         self.model = model
@@ -72,39 +79,99 @@ class Trainer:
         self.state = LoopState()
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", accelerator.is_main_process)
         self.grad_norm: Optional[torch.Tensor] = None
+        self.sampler = sampler
+        self.spec_yaml = spec_yaml  # saved into each checkpoint, to check a resume against
+        self.stop = StopRequest()
+        self.last_checkpoint: Optional[Path] = None
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
         """Train to plan.total_steps, evaluate at the end; returns (train, eval) results."""
         plan, s = self.plan, self.state
-        progress = Progress(plan.total_steps, self.accelerator.is_main_process)
+        progress = Progress(plan.total_steps, self.accelerator.is_main_process, initial=s.step)
         started = window_start = time.perf_counter()
         window_steps = 0
         self.model.train()
-        while s.step < plan.total_steps:
-            for batch in self.train_loader:
-                stepped = self.train_step(batch)
-                if not stepped:
-                    continue
-                window_steps += 1
-                if self.log_every and s.step % self.log_every == 0:
-                    elapsed = time.perf_counter() - window_start
-                    record = self._log_step(window_steps, elapsed)
-                    progress.update(0, loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                    window_start, window_steps = time.perf_counter(), 0
-                progress.update(1)
-                if self.eval_every and s.step % self.eval_every == 0 and s.step < plan.total_steps:
-                    self._evaluate_and_log(progress)
-                if self.save_every and s.step % self.save_every == 0:
-                    save_checkpoint(self.accelerator, self.run_dir, s.step, self.keep_checkpoints, {"epoch": s.epoch})
-                if s.step >= plan.total_steps:
-                    break
-            else:
-                s.epoch += 1
-        progress.close()
+        self.stop.install()
+        try:
+            while s.step < plan.total_steps:
+                for batch in self._epoch_batches():
+                    s.batches_in_epoch += 1
+                    if not self.train_step(batch):
+                        continue
+                    window_steps += 1
+                    if self.log_every and s.step % self.log_every == 0:
+                        record = self._log_step(window_steps, time.perf_counter() - window_start)
+                        progress.update(0, loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                        window_start, window_steps = time.perf_counter(), 0
+                    progress.update(1)
+                    if self.eval_every and s.step % self.eval_every == 0 and s.step < plan.total_steps:
+                        self._evaluate_and_log(progress)
+                    if self.save_every and s.step % self.save_every == 0:
+                        self.save_checkpoint()
+                    self._stop_if_signalled()
+                    if s.step >= plan.total_steps:
+                        break
+                else:
+                    s.epoch, s.batches_in_epoch = s.epoch + 1, 0
+        finally:
+            self.stop.restore()
+            progress.close()
         runtime = time.perf_counter() - started
         eval_results = self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
+
+    def _epoch_batches(self) -> Any:
+        """This epoch's batches from the current data position (exact after a resume)."""
+        loader = self.train_loader
+        if self.state.batches_in_epoch:
+            loader = self.accelerator.skip_first_batches(self.train_loader, self.state.batches_in_epoch)
+        # Accelerate's loaders set their sampler's epoch from their own pass count at
+        # each __iter__; a resumed (or skipping) loader must be told the real epoch.
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(self.state.epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.state.epoch)
+        return loader
+
+    def _stop_if_signalled(self) -> None:
+        signum = self.stop.agreed(self.accelerator)
+        if signum is None:
+            return
+        path = self.save_checkpoint() if self.last_checkpoint != self._checkpoint_path() else self.last_checkpoint
+        raise Stopped(signum, self.state.step, str(path))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path:
+        return checkpoint_dir(self.run_dir, self.state.step)
+
+    def save_checkpoint(self) -> Path:
+        s = self.state
+        pending = float(self.accelerator.reduce(s.loss_sum, reduction="mean").item()) if s.loss_sum is not None else 0.0
+        meta = {
+            "epoch": s.epoch,
+            "batches_in_epoch": s.batches_in_epoch,
+            "world_size": self.accelerator.num_processes,
+            "total_loss": s.total_loss,
+            "total_loss_steps": s.total_loss_steps,
+            "pending_loss_sum": pending,
+            "pending_loss_count": s.loss_count,
+            "skipped_steps": s.skipped_steps,
+        }
+        self.last_checkpoint = save_checkpoint(
+            self.accelerator, self.run_dir, s.step, self.keep_checkpoints, meta, spec_yaml=self.spec_yaml
+        )
+        return self.last_checkpoint
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint's loop state (model and optimizer are already loaded)."""
+        s = self.state
+        s.step, s.epoch, s.batches_in_epoch = int(meta["step"]), int(meta["epoch"]), int(meta["batches_in_epoch"])
+        s.total_loss, s.total_loss_steps = float(meta["total_loss"]), int(meta["total_loss_steps"])
+        s.skipped_steps = int(meta.get("skipped_steps", 0))
+        if meta.get("pending_loss_count"):
+            s.loss_count = int(meta["pending_loss_count"])
+            s.loss_sum = torch.tensor(float(meta["pending_loss_sum"]), device=self.accelerator.device)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: dict[str, torch.Tensor]) -> bool:
@@ -113,8 +180,8 @@ class Trainer:
         with acc.accumulate(self.model):
             loss = self.model(**batch).loss
             acc.backward(loss)
-            if acc.sync_gradients and self.max_grad_norm > 0:
-                self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            if acc.sync_gradients:
+                self._check_finite(loss)
             self.optimizer.step()
             if acc.sync_gradients and not acc.optimizer_step_was_skipped:
                 # Stepped here, once per optimizer step, never by Accelerate per process.
@@ -125,11 +192,31 @@ class Trainer:
         detached = loss.detach().float()
         s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
         s.loss_count += 1
-        s.micro_batches += 1
         if not acc.sync_gradients:
             return False
         s.step += 1
         return True
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop before the optimizer step on a NaN/inf loss or gradient norm (one host
+        sync per optimizer step). The norm is global, so every rank stops together."""
+        if self.max_grad_norm > 0:
+            self.grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        checks = [loss.detach().float().reshape(1)]
+        if self.grad_norm is not None:
+            checks.append(torch.as_tensor(self.grad_norm, device=loss.device).float().reshape(1))
+        if bool(torch.isfinite(torch.cat(checks)).all()):
+            return
+        if self.accelerator.mixed_precision == "fp16":
+            return  # the loss scaler skips this step and lowers the scale: expected, not fatal
+        step = self.state.step + 1
+        last = self.last_checkpoint or latest_checkpoint(self.run_dir)
+        where = f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+        raise NonFiniteLoss(
+            f"non-finite loss or gradient norm at step {step} (loss {loss.item()}, grad norm "
+            f"{float(self.grad_norm) if self.grad_norm is not None else 'n/a'}); stopped before the optimizer step; {where}. "
+            "Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
+        )
 
     def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
         """Mean loss since the last log, averaged over ranks. The only host sync."""
@@ -142,7 +229,7 @@ class Trainer:
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
         record = {
             "step": s.step,
-            "epoch": round(s.epoch + (s.micro_batches % max(len(self.train_loader), 1)) / max(len(self.train_loader), 1), 4),
+            "epoch": round(s.epoch + s.batches_in_epoch / max(len(self.train_loader), 1), 4),
             "loss": mean,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,

@@ -166,3 +166,15 @@ def validate(spec: RunSpec, world_size: int = 1) -> None:
         problems += check(spec)
     if problems:
         raise UserError(problems)
+
+
+def check_blocks(spec: RunSpec) -> None:
+    """Tokenize and group the data now, in the launcher: data that yields no training
+    or evaluation block is refused before any worker starts, and workers then read
+    the same on-disk cache."""
+    from runner.data import prepare, resolve_block_size
+    from runner.model import build_config, build_tokenizer, max_positions
+
+    tokenizer = build_tokenizer(spec.model)
+    block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
+    prepare(spec.data, tokenizer, block_size)

@@ -20,19 +20,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 
-def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any]:
-    import torch
+def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
+    """(train loader, eval loader, the train sampler whose epoch the trainer sets)."""
     from torch.utils.data import DataLoader
 
-    from runner.data import collate
+    from runner.data import EpochSampler, collate
 
     t = spec.train
-    generator = torch.Generator().manual_seed(t.seed)  # same data order on every rank
+    sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
     train = DataLoader(
         data.train,
         batch_size=t.per_device_batch_size,
-        shuffle=True,
-        generator=generator,
+        sampler=sampler,
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
         drop_last=False,
@@ -44,7 +43,29 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any]:
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
     )
-    return train, evaluation
+    return train, evaluation, sampler
+
+
+def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
+    """resume=auto|PATH, or after a crash restart (launch.max_restarts) the newest checkpoint."""
+    from runner.checkpoint import latest_checkpoint
+    from runner.resume import resolve
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return latest_checkpoint(run_dir)
+    return resolve(spec, run_dir)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint: the resumed run logs those steps again."""
+    import json
+
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir: Path) -> Path:
@@ -82,7 +103,10 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.optim import build_optimizer, build_scheduler
     from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
     from runner.plots import PLOT_FILENAME, plot_loss_curves
-    from runner.trainer import Trainer
+    from runner.checkpoint import checkpoint_dir, load_checkpoint
+    from runner.signals import EXIT_CODES, Stopped
+    from runner.spec import spec_to_yaml
+    from runner.trainer import NonFiniteLoss, Trainer
 
     run_dir = Path(spec.run_dir)
     t = spec.train
@@ -105,7 +129,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         state = "reused" if data.cache_hit else "built"
         log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
 
-    train_loader, eval_loader = _loaders(spec, data)
+    train_loader, eval_loader, sampler = _loaders(spec, data)
     optimizer = build_optimizer(spec.optim, model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     world_size = accelerator.num_processes
@@ -131,6 +155,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     if accelerator.is_main_process:
         log.info(banner(plan, str(run_dir)))
 
+    accelerator.register_for_checkpointing(scheduler)  # not prepared (see optim.py), so saved explicitly
     trainer = Trainer(
         accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
         max_grad_norm=spec.optim.max_grad_norm,
@@ -138,18 +163,34 @@ def train(spec: RunSpec) -> dict[str, Any]:
         eval_every=t.eval_every,
         save_every=t.save_every,
         keep_checkpoints=t.keep_checkpoints,
+        sampler=sampler,
+        spec_yaml=spec_to_yaml(spec),
     )
-    train_results, eval_results = trainer.fit()
+    resume_from = _resume_point(spec, run_dir)
+    if resume_from is not None:
+        meta = load_checkpoint(accelerator, resume_from)
+        trainer.restore(meta)
+        if accelerator.is_main_process:
+            truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
+            log.info(f"resumed from {resume_from} at step {trainer.state.step}")
+    try:
+        train_results, eval_results = trainer.fit()
+    except Stopped as stop:
+        log.warning(
+            f"runner: {stop}. Resume with: runner --spec {run_dir / 'run_spec.yaml'} --run-dir {run_dir} --resume auto"
+        )
+        raise SystemExit(EXIT_CODES.get(stop.signum, 1)) from None
+    except NonFiniteLoss as err:
+        log.error(f"runner: {err}")
+        raise SystemExit(3) from None
     fingerprints = rank_fingerprints(accelerator, model, spec.strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
     peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
     train_results["peak_memory_mb_per_rank"] = [round(float(v), 1) for v in peaks.cpu()]
     train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
-    if t.save_every:
-        from runner.checkpoint import save_checkpoint
-
-        save_checkpoint(accelerator, run_dir, trainer.state.step, t.keep_checkpoints, {"epoch": trainer.state.epoch})
+    if t.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
+        trainer.save_checkpoint()  # the final state is always resumable
     save_outputs(accelerator, model, tokenizer, run_dir)
     results: dict[str, Any] = {}
     if accelerator.is_main_process:

@@ -119,3 +119,15 @@ def test_cfg_job_prints_the_composed_config():
     done = subprocess.run([sys.executable, "-m", "runner", "recipe=gpt2_clm", "--cfg", "job"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "name_or_path: gpt2" in done.stdout and "wikitext-2-raw-v1" in done.stdout
+
+
+def test_validation_split_that_leaves_no_eval_rows(capsys, tmp_path):
+    (tmp_path / "few.txt").write_text("".join(f"Line {i} of a short file with enough words in it.\n" for i in range(10)))
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/few.txt", "data.validation_split_percentage=5",
+                   expect="leaves no eval rows")
+
+
+def test_corpus_shorter_than_one_block(capsys, tmp_path):
+    (tmp_path / "tiny.txt").write_text("Too short.\n" * 3)
+    assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/tiny.txt", "data.validation_split_percentage=50",
+                   "data.block_size=64", expect="shorter than one block of 64 tokens")

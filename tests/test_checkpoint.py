@@ -1,0 +1,137 @@
+"""Checkpoints that survive anything: kill -9, SIGTERM, a crash mid-save, NaNs, edits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MICRO
+from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
+
+# 24 steps with a checkpoint every 4: long enough to interrupt, short enough for CI.
+RUN = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "data.max_train_samples"))] + [
+    "train.max_steps=24", "train.eval_every=0", "train.save_every=4", "data.max_train_samples=64",
+]
+
+
+def cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", *RUN, *extra, f"hydra.run.dir={run_dir}"]
+
+
+def resume_cmd(run_dir: Path, how: str = "auto") -> list[str]:
+    return [sys.executable, "-m", "runner", "--spec", str(run_dir / "run_spec.yaml"), "--run-dir", str(run_dir), "--resume", how]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path} appeared:\n{proc.stderr.read() if proc.stderr else ''}"
+        assert time.time() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    done = subprocess.run(cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_20", "step_24"]  # keep_checkpoints=2
+    return losses(run_dir)
+
+
+def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
+    proc.kill()  # SIGKILL: no chance to save anything
+    proc.wait()
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr
+    assert losses(run_dir) == uninterrupted  # every step, bit for bit
+
+
+def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(run_dir, "train.save_every=0"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(run_dir / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM" in err and "--resume auto" in err
+    [checkpoint] = complete_checkpoints(run_dir)
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == uninterrupted
+    assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(cmd(run_dir, "train.max_steps=8"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # As a crash would leave them: a temporary folder, and a renamed one without its marker.
+    (run_dir / "checkpoints" / ".tmp_step_12").mkdir()
+    (run_dir / "checkpoints" / "step_12").mkdir()
+    (run_dir / "checkpoints" / "step_12" / "model.safetensors").write_bytes(b"partial")
+    assert complete_checkpoints(run_dir)[-1].name == "step_8"
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "resuming from" in done.stderr and "step_8" in done.stderr
+
+
+def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
+    run_dir = tmp_path / "run"
+    assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
+    newest = complete_checkpoints(run_dir)[-1]
+    weights = next(newest.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated on disk
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    assert "unreadable" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):
+    run_dir = tmp_path / "run"
+    assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
+    bad = subprocess.run(cmd(run_dir, "train.max_steps=8", "resume=auto", "optim.lr=0.5", "train.per_device_batch_size=2"),
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2
+    assert "optim.lr" in bad.stderr and "global batch: 4 -> 2" in bad.stderr
+    good = subprocess.run(cmd(run_dir, "train.max_steps=8", "resume=auto"), capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "accepted change train.max_steps: 4 -> 8" in good.stderr
+    assert max(losses(run_dir)) == 8
+
+
+def test_resume_auto_without_a_checkpoint_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(cmd(run_dir, "train.max_steps=2", "resume=auto"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "no checkpoint" in done.stderr and "starting fresh" in done.stderr
+
+
+def test_resume_path_that_is_not_a_checkpoint(tmp_path):
+    done = subprocess.run(cmd(tmp_path / "run", f"resume={tmp_path}"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "not a complete checkpoint" in done.stderr
+
+
+def test_nan_loss_stops_before_the_step_and_names_it(tmp_path):
+    run_dir = tmp_path / "run"
+    # An absurd learning rate blows the weights up within a couple of steps.
+    done = subprocess.run(cmd(run_dir, "optim.lr=1e30", "schedule.warmup_steps=0", "optim.max_grad_norm=0"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "non-finite loss or gradient norm at step" in done.stderr
+    assert "last good checkpoint" in done.stderr or "no checkpoint yet" in done.stderr
+    assert not (run_dir / "all_results.json").exists()

@@ -1,0 +1,80 @@
+"""Resume and restarts across 2 CPU processes (ddp, gloo). Slow: real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
+from test_checkpoint import RUN, losses, resume_cmd, wait_for
+
+pytestmark = pytest.mark.slow
+
+DDP = ["launch.nproc_per_node=2", "train.per_device_batch_size=2"]  # global batch 4, as single-process RUN
+
+
+def cmd(run_dir, *extra):
+    return [sys.executable, "-m", "runner", *RUN, *DDP, *extra, f"hydra.run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def ddp_uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp_full") / "run"
+    done = subprocess.run(cmd(run_dir), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(run_dir)
+
+
+def test_ddp_kill_9_then_resume_is_bit_exact(ddp_uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, no goodbye
+    proc.wait()
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == ddp_uninterrupted
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(ddp_uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(run_dir, "train.save_every=0"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(run_dir / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    assert "--resume auto" in err
+    [checkpoint] = complete_checkpoints(run_dir)  # written by both ranks at one agreed step
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == ddp_uninterrupted
+
+
+def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path):
+    """Rank 1 dies once at step 10; the launcher restarts both workers, which resume."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        import runner.trainer as trainer
+        original = trainer.Trainer.train_step
+        def dying(self, batch):
+            if (os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+                    and self.state.step >= 10):
+                os._exit(1)  # as if the process were killed
+            return original(self, batch)
+        trainer.Trainer.train_step = dying
+    """))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(cmd(run_dir, "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((run_dir / "all_results.json").read_text())
+    assert results["train_steps"] == 24
+    assert losses(run_dir) == ddp_uninterrupted
