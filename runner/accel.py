@@ -34,7 +34,7 @@ def build_accelerator(
     grad_accum_steps: int,
     max_grad_norm: float,
     compile_model: bool = False,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30.0,
 ) -> "Accelerator":
     import torch
     from accelerate import Accelerator, DeepSpeedPlugin

@@ -33,6 +33,36 @@ ACCELERATE_KEYS: dict[str, str] = {
     "deepspeed_config.zero3_save_16bit_model": "strategy.zero3_save_16bit_model",
 }
 
+# run_clm.py / HF Trainer flag -> the runner override that does the same (the README's table).
+RUN_CLM_FLAGS: dict[str, str] = {
+    "--model_name_or_path": "model.name_or_path",
+    "--model_type": "model.model_type",
+    "--config_overrides": "model.config_overrides",
+    "--tokenizer_name": "model.tokenizer_name",
+    "--dataset_name / --dataset_config_name": "data.dataset_name / data.dataset_config_name",
+    "--train_file / --validation_file": "data.train_file / data.validation_file",
+    "--validation_split_percentage": "data.validation_split_percentage",
+    "--block_size": "data.block_size",
+    "--keep_linebreaks": "data.keep_linebreaks",
+    "--max_train_samples / --max_eval_samples": "data.max_train_samples / data.max_eval_samples",
+    "--preprocessing_num_workers": "data.preprocessing_num_workers",
+    "--per_device_train_batch_size": "train.per_device_batch_size",
+    "--per_device_eval_batch_size": "train.per_device_eval_batch_size",
+    "--gradient_accumulation_steps": "train.grad_accum_steps",
+    "--num_train_epochs / --max_steps": "train.num_epochs / train.max_steps",
+    "--seed": "train.seed",
+    "--logging_steps / --eval_steps / --save_steps": "train.log_every / train.eval_every / train.save_every",
+    "--save_total_limit": "train.keep_checkpoints",
+    "--learning_rate / --weight_decay / --max_grad_norm": "optim.lr / optim.weight_decay / optim.max_grad_norm",
+    "--lr_scheduler_type / --warmup_steps / --warmup_ratio": "schedule=linear (or cosine, constant) / schedule.warmup_steps / schedule.warmup_ratio",
+    "--bf16 / --fp16": "precision=bf16 / precision=fp16",
+    "--gradient_checkpointing": "model.gradient_checkpointing=true",
+    "--torch_compile": "model.compile=true",
+    "--output_dir / --overwrite_output_dir": "hydra.run.dir=DIR / overwrite=true",
+    "--resume_from_checkpoint": "resume=PATH (or resume=auto)",
+    "--deepspeed ds_config.json": "strategy=zero2 or strategy=zero3 (+ strategy.offload_optimizer / offload_params)",
+}
+
 # Keys that need no action here, with the reason a user might want to know.
 _NOTED: dict[str, str] = {
     "gpu_ids": "choose GPUs with CUDA_VISIBLE_DEVICES",

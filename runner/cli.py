@@ -204,7 +204,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     _offline_defaults()
     joined = joined_launch()
     try:
-        if joined is not None and joined.rank != 0:
+        if argv[:1] == ["env"]:
+            from runner.env_report import main as env_main
+
+            env_main()
+        elif joined is not None and joined.rank != 0:
             _follow()
         elif any(a == "--spec" or a.startswith("--spec=") for a in argv):
             _run_spec_file(argv)

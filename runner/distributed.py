@@ -67,7 +67,7 @@ def slurm_node_launch() -> Optional[tuple[int, int, str]]:
     return None
 
 
-def init_process_group(timeout_minutes: int = 30) -> None:
+def init_process_group(timeout_minutes: float = 30.0) -> None:
     """Initialise torch.distributed from the environment (Accelerate reuses it)."""
     import torch
     import torch.distributed as dist

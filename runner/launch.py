@@ -40,9 +40,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def prepare_environment(local_workers: int) -> None:
+def prepare_environment(local_workers: int, debug: bool = False) -> None:
     """Settings every worker inherits."""
     import torch
+
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
+        if torch.cuda.is_available():
+            os.environ["NCCL_DEBUG"] = "INFO"
 
     # Workers share the cores: without this each one starts a thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // local_workers, 1)))
@@ -84,11 +90,11 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
     from runner.worker import run
 
     if joined_launch() is not None:  # we are rank 0 of an outside launch
-        prepare_environment(1)
+        prepare_environment(1, spec.launch.debug)
         run(spec)
         return
     nproc = resolve_nproc(spec.launch)
-    prepare_environment(nproc)
+    prepare_environment(nproc, spec.launch.debug)
     if nproc * spec.launch.nnodes == 1:
         _run_in_process(spec)
         return

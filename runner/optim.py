@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runner.spec import OptimSpec, ScheduleKind, ScheduleSpec
+import math
+
+from runner.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
 
 if TYPE_CHECKING:
     import torch
@@ -24,12 +26,21 @@ def param_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(spec: OptimSpec, model: "torch.nn.Module") -> "torch.optim.Optimizer":
+def effective_lr(spec: OptimSpec, global_batch: int) -> float:
+    """The accelerate playbook's rule, applied declaratively: lr tuned at B_ref,
+    scaled linearly or by the square root to the run's global batch B."""
+    if spec.scale_lr is LrScaling.none or not spec.reference_global_batch:
+        return spec.lr
+    ratio = global_batch / spec.reference_global_batch
+    return spec.lr * (ratio if spec.scale_lr is LrScaling.linear else math.sqrt(ratio))
+
+
+def build_optimizer(spec: OptimSpec, model: "torch.nn.Module", lr: float) -> "torch.optim.Optimizer":
     import torch
 
     return torch.optim.AdamW(
         param_groups(model, spec.weight_decay),
-        lr=spec.lr,
+        lr=lr,
         betas=(spec.beta1, spec.beta2),
         eps=spec.eps,
         fused=True if spec.fused else None,

@@ -21,6 +21,8 @@ class RunPlan:
     precision: str
     device: str
     lr: float
+    effective_lr: float
+    lr_rule: str = "none"
 
     @property
     def global_batch_size(self) -> int:
@@ -61,6 +63,7 @@ def banner(plan: RunPlan, run_dir: str) -> str:
         f"  tokens/step    {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
         f"  steps          {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps),"
         f" {p.total_steps * p.tokens_per_step:,} tokens",
-        f"  learning rate  {p.lr:g}",
+        f"  learning rate  {p.lr:g} configured, {p.effective_lr:g} in effect"
+        + (f" ({p.lr_rule} scaling to global batch {p.global_batch_size})" if p.lr_rule != "none" else ""),
     ]
     return "\n".join(lines)

@@ -42,6 +42,12 @@ class OptimKind(str, enum.Enum):
     adamw = "adamw"
 
 
+class LrScaling(str, enum.Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
 class ScheduleKind(str, enum.Enum):
     linear = "linear"
     cosine = "cosine"
@@ -117,6 +123,11 @@ class OptimSpec:
     """Clip the global gradient norm to this value before each step. 0 disables."""
     fused: bool = False
     """Use torch's fused AdamW kernel (faster where supported)."""
+    scale_lr: LrScaling = LrScaling.none
+    """Rescale lr when the global batch B differs from reference_global_batch B_ref:
+    none | linear (lr x B / B_ref) | sqrt (lr x sqrt(B / B_ref))."""
+    reference_global_batch: Optional[int] = None
+    """The global batch `lr` was tuned at (needed by scale_lr)."""
 
 
 @dataclass
@@ -170,7 +181,11 @@ class LaunchSpec:
     rdzv_endpoint: Optional[str] = None
     """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
     max_restarts: int = 0
-    """Restart all workers up to N times after a crash."""
+    """Restart all workers up to N times after a crash (they resume from the newest checkpoint)."""
+    timeout_minutes: float = 30.0
+    """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
+    debug: bool = False
+    """Distributed debug logs on every rank: TORCH_DISTRIBUTED_DEBUG=DETAIL, and NCCL_DEBUG=INFO on GPUs."""
 
 
 @dataclass

@@ -39,6 +39,12 @@ def check_numbers(spec: RunSpec) -> list[str]:
     _positive(p, spec.optim.lr, "optim.lr")
     _positive(p, spec.optim.weight_decay, "optim.weight_decay", allow_zero=True)
     _positive(p, spec.optim.max_grad_norm, "optim.max_grad_norm", allow_zero=True)
+    _positive(p, spec.optim.reference_global_batch, "optim.reference_global_batch")
+    if spec.optim.scale_lr.value != "none" and not spec.optim.reference_global_batch:
+        p.append(
+            f"optim.scale_lr={spec.optim.scale_lr.value} needs the batch the lr was tuned at: "
+            "set optim.reference_global_batch=<global batch>."
+        )
     _positive(p, spec.schedule.warmup_steps, "schedule.warmup_steps", allow_zero=True)
     if not 0.0 <= spec.schedule.warmup_ratio < 1.0:
         p.append(f"schedule.warmup_ratio={spec.schedule.warmup_ratio} must be in [0, 1).")
@@ -127,6 +133,7 @@ def check_machine(spec: RunSpec) -> list[str]:
     if nproc != "auto" and (not nproc.isdigit() or int(nproc) < 1):
         problems.append(f"launch.nproc_per_node={nproc} must be 'auto' or a whole number >= 1.")
     _positive(problems, spec.launch.nnodes, "launch.nnodes")
+    _positive(problems, spec.launch.timeout_minutes, "launch.timeout_minutes")
     if not 0 <= spec.launch.node_rank < max(spec.launch.nnodes, 1):
         problems.append(f"launch.node_rank={spec.launch.node_rank} must be in 0..launch.nnodes-1.")
     if spec.launch.nnodes > 1 and not spec.launch.rdzv_endpoint:

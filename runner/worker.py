@@ -46,6 +46,15 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
     return train, evaluation, sampler
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than launch.timeout_minutes."""
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}".lower()
+    return "timed out" in text or "timeout" in text or type(err).__name__ == "DistBackendError" and "wait" in text
+
+
 def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     """resume=auto|PATH, or after a crash restart (launch.max_restarts) the newest checkpoint."""
     from runner.checkpoint import latest_checkpoint
@@ -85,7 +94,8 @@ def run(spec: Optional[RunSpec]) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from runner.distributed import agree_on_spec, init_process_group
 
-        init_process_group()
+        # Before the spec is known (a joined follower) the default timeout applies.
+        init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
         spec = agree_on_spec(spec)
     assert spec is not None, "a single process always has its spec"
     return train(spec)
@@ -100,7 +110,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.log import setup_logging
     from runner.metrics import peak_memory_mb, summary_table, write_results
     from runner.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
-    from runner.optim import build_optimizer, build_scheduler
+    from runner.optim import build_optimizer, build_scheduler, effective_lr
     from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
     from runner.plots import PLOT_FILENAME, plot_loss_curves
     from runner.checkpoint import checkpoint_dir, load_checkpoint
@@ -118,7 +128,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     model = build_model(spec.model, config, len(tokenizer))
 
     accelerator = build_accelerator(
-        spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm, compile_model=spec.model.compile
+        spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm,
+        compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
     )
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
@@ -130,7 +141,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
         log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
 
     train_loader, eval_loader, sampler = _loaders(spec, data)
-    optimizer = build_optimizer(spec.optim, model)
+    global_batch = t.per_device_batch_size * accelerator.num_processes * t.grad_accum_steps
+    lr = effective_lr(spec.optim, global_batch)
+    optimizer = build_optimizer(spec.optim, model, lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     world_size = accelerator.num_processes
     check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
@@ -150,6 +163,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
         lr=spec.optim.lr,
+        effective_lr=lr,
+        lr_rule=spec.optim.scale_lr.value,
     )
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
@@ -183,6 +198,15 @@ def train(spec: RunSpec) -> dict[str, Any]:
     except NonFiniteLoss as err:
         log.error(f"runner: {err}")
         raise SystemExit(3) from None
+    except Exception as err:
+        if _is_timeout(err):
+            raise CollectiveTimeout(
+                f"rank {accelerator.process_index} waited more than launch.timeout_minutes={spec.launch.timeout_minutes:g} "
+                "for the other ranks in a collective: a rank is stuck or died. See the README section 'When a run "
+                "hangs' (launch.debug=true shows every rank's collectives; raise launch.timeout_minutes if one step "
+                "is legitimately that slow)."
+            ) from err
+        raise
     fingerprints = rank_fingerprints(accelerator, model, spec.strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints

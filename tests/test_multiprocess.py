@@ -20,7 +20,10 @@ from conftest import MICRO
 pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
-BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every"))] + ["train.eval_every=0"]
+# 13 eval blocks: 2 ranks x eval batch 4 pad the last batch, which gather_for_metrics must drop.
+BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every", "data.max_eval_samples"))] + [
+    "train.eval_every=0", "data.max_eval_samples=13",
+]
 LAYOUTS = {
     "single_8": ["train.per_device_batch_size=8"],
     "single_4x2": ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
@@ -58,6 +61,16 @@ def test_losses_agree_with_one_process(runs, name):
     reference = losses(runs["single_8"])
     assert len(reference) == 8
     assert losses(runs[name]) == pytest.approx(reference, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+def test_distributed_eval_equals_single_process(runs, name):
+    """Evaluation gathers across ranks and drops the padding duplicates: same numbers."""
+    single = json.loads((runs["single_8"] / "all_results.json").read_text())
+    multi = json.loads((runs[name] / "all_results.json").read_text())
+    assert multi["eval_samples"] == single["eval_samples"] == 13
+    for key in ("eval_loss", "perplexity", "eval_accuracy"):
+        assert multi[key] == pytest.approx(single[key], abs=1e-4, rel=1e-4), key
 
 
 @pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
@@ -168,3 +181,24 @@ def test_joined_ranks_stop_when_rank_0_refuses_the_config(tmp_path):
     )
     assert done.returncode != 0
     assert "data.block_size=4096" in done.stderr
+
+
+def test_a_collective_timeout_names_the_rank_and_the_setting(tmp_path):
+    """Rank 1 stalls; rank 0's collective times out after launch.timeout_minutes."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, time
+        import runner.trainer as trainer
+        original = trainer.Trainer.train_step
+        def stalling(self, batch):
+            if os.environ.get("RANK") == "1" and self.state.step >= 1:
+                time.sleep(20)
+            return original(self, batch)
+        trainer.Trainer.train_step = stalling
+    """))
+    done = runner(tmp_path / "hang", "launch.nproc_per_node=2", "train.per_device_batch_size=4", "launch.timeout_minutes=0.1",
+                  env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    assert done.returncode != 0
+    assert "launch.timeout_minutes=0.1" in done.stderr and "When a run hangs" in done.stderr
+    assert "rank 0 waited" in done.stderr
