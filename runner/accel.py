@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 
@@ -35,10 +35,12 @@ def build_accelerator(
     max_grad_norm: float,
     compile_model: bool = False,
     timeout_minutes: float = 30.0,
+    tracking: str = "none",
+    logging_dir: Optional[str] = None,
 ) -> "Accelerator":
     import torch
     from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     cuda = torch.cuda.is_available()
     handlers: list[Any] = []
@@ -67,6 +69,8 @@ def build_accelerator(
         kwargs_handlers=handlers,
         # torch.compile applied by prepare(); unwrap_model strips it again for saving.
         dynamo_backend="inductor" if compile_model else None,
+        log_with=None if tracking == "none" else tracking,
+        project_config=ProjectConfiguration(logging_dir=logging_dir) if logging_dir else None,
     )
 
 

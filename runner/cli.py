@@ -80,7 +80,14 @@ def start(
     _apply_slurm_nodes(spec)
     spec.run_dir = str(run_dir.resolve())
     validate(spec, world_size(spec.launch))
-    check_blocks(spec)
+    data = check_blocks(spec)
+    if spec.dry_run:
+        from runner.dry_run import report
+
+        print(report(spec, data, world_size(spec.launch)))
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
+        return
     if spec.launch.nnodes > 1 and not run_dir_chosen:
         raise UserError(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "

@@ -79,7 +79,17 @@ def init_process_group(timeout_minutes: float = 30.0) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Workers restarted by launch.max_restarts meet in the same agent store as the
+        # attempt before them; without a fresh key prefix gloo can read a dead
+        # process's address and wait forever (seen here). One prefix per attempt.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"runner/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def broadcast_text(text: Optional[str]) -> Optional[str]:

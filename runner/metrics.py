@@ -5,23 +5,30 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 METRICS_FILENAME = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; a no-op on every rank but 0."""
+    """Appends one JSON object per line and forwards the numbers to the trackers;
+    a no-op on every rank but 0."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(self, path: Path, enabled: bool, tracker_log: Optional[Callable[[dict, int], None]] = None) -> None:
         self.path = path
         self.enabled = enabled
+        self.tracker_log = tracker_log
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self.tracker_log is not None:
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            if isinstance(record.get("peak_memory_mb"), list):
+                numbers["peak_memory_mb"] = max(record["peak_memory_mb"])
+            self.tracker_log(numbers, int(record["step"]))
 
 
 class Progress:
@@ -97,8 +104,11 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         ("train_runtime", "train time (s)"),
         ("train_tokens_per_second", "tokens/s"),
         ("train_samples_per_second", "samples/s"),
+        ("train_mfu", "MFU"),
+        ("peak_memory_mb", "peak memory (MB/rank)"),
     ]
-    rows = [(label, _fmt(results[key])) for key, label in keys if key in results]
+    rows = [(label, _fmt(results[key])) for key, label in keys if results.get(key) is not None]
+    rows = [(label, f"{100 * results['train_mfu']:.2f}%" if label == "MFU" else value) for label, value in rows]
     width = max(len(label) for label, _ in rows)
     value_width = max(len(v) for _, v in rows)
     rule = "-" * (width + value_width + 5)

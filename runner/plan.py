@@ -40,6 +40,11 @@ class RunPlan:
         return {**asdict(self), "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step}
 
 
+def batches_per_rank(n_blocks: int, per_device_batch_size: int, world_size: int) -> int:
+    """Accelerate shards whole batches round-robin and pads the last round (even_batches)."""
+    return math.ceil(math.ceil(n_blocks / per_device_batch_size) / world_size)
+
+
 def steps_per_epoch(batches_per_rank: int, grad_accum_steps: int) -> int:
     """Optimizer steps in one pass: the last, short accumulation still steps
     (Accelerate syncs at the end of the dataloader), as run_clm_no_trainer counts."""
@@ -65,5 +70,78 @@ def banner(plan: RunPlan, run_dir: str) -> str:
         f" {p.total_steps * p.tokens_per_step:,} tokens",
         f"  learning rate  {p.lr:g} configured, {p.effective_lr:g} in effect"
         + (f" ({p.lr_rule} scaling to global batch {p.global_batch_size})" if p.lr_rule != "none" else ""),
+    ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for model states (activations excluded), ZeRO paper arithmetic."""
+
+    params: float
+    grads: float
+    optimizer: float
+    offloaded: float  # moved to host memory by the offload options
+
+    @property
+    def device_total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def estimate_memory(
+    n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False
+) -> MemoryEstimate:
+    """Per-rank bytes for parameters, gradients and AdamW state.
+
+    DDP with Accelerate's autocast keeps fp32 weights and gradients whatever the
+    precision: 4 + 4 bytes, plus Adam's two fp32 moments, 8: 16 bytes per parameter.
+    DeepSpeed with bf16/fp16 keeps 16-bit weights and gradients (2 + 2) and an fp32
+    master copy with the moments (12); in fp32, 4 + 4 + 8. ZeRO-2 divides gradients
+    and optimizer state by the world size, ZeRO-3 the weights too; offload moves the
+    optimizer state (and, for ZeRO-3, the weights) to host memory.
+    """
+    n, w = float(n_params), max(world_size, 1)
+    half = precision in ("bf16", "fp16") and strategy in ("zero2", "zero3")
+    weight_bytes, grad_bytes, optim_bytes = (2.0, 2.0, 12.0) if half else (4.0, 4.0, 8.0)
+    params, grads, optimizer = n * weight_bytes, n * grad_bytes, n * optim_bytes
+    if strategy in ("zero2", "zero3"):
+        grads, optimizer = grads / w, optimizer / w
+    if strategy == "zero3":
+        params = params / w
+    offloaded = 0.0
+    if offload_optimizer and strategy in ("zero2", "zero3"):
+        offloaded += optimizer
+        optimizer = 0.0
+    if offload_params and strategy == "zero3":
+        offloaded += params
+        params = 0.0
+    return MemoryEstimate(params, grads, optimizer, offloaded)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str, MemoryEstimate]) -> str:
+    p = plan
+    lines = [
+        "runner: dry run (nothing trained, no run folder written)",
+        f"  world size      {p.world_size} ({p.strategy}, precision {p.precision}, device {p.device})",
+        f"  global batch    {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
+        f" x {p.grad_accum_steps} accumulation",
+        f"  tokens/step     {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
+        f"  steps           {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps over "
+        f"{p.train_blocks:,} blocks)",
+        f"  tokens          {p.total_steps * p.tokens_per_step:,}",
+        f"  parameters      {p.parameters:,}",
+        f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
+        f"  memory per rank (model states; activations come on top):",
+        f"    parameters    {_gib(estimate.params)}",
+        f"    gradients     {_gib(estimate.grads)}",
+        f"    optimizer     {_gib(estimate.optimizer)}",
+        f"    total         {_gib(estimate.device_total)}"
+        + (f"  (+ {_gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
+        "  per rank under each strategy: "
+        + " | ".join(f"{name} {_gib(est.device_total)}" for name, est in comparison.items()),
     ]
     return "\n".join(lines)

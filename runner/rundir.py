@@ -22,6 +22,7 @@ RESULT_NAMES: tuple[str, ...] = (
     "model",
     "checkpoints",
     "run.log",
+    "tensorboard",
     ".hydra",
 )
 

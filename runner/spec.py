@@ -38,6 +38,14 @@ class OffloadDevice(str, enum.Enum):
     cpu = "cpu"
 
 
+class TrackingKind(str, enum.Enum):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+    trackio = "trackio"
+    none = "none"
+
+
 class OptimKind(str, enum.Enum):
     adamw = "adamw"
 
@@ -224,6 +232,12 @@ class RunSpec:
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     overwrite: bool = False
     """Allow writing into a run folder that already holds results."""
+    tracking: TrackingKind = TrackingKind.tensorboard
+    """Experiment tracker, through Accelerate's trackers: tensorboard (in run_dir/tensorboard)
+    | wandb | mlflow | trackio | none. The spec is logged as hyperparameters."""
+    dry_run: bool = False
+    """Print the resolved spec and the run's plan (batch arithmetic, steps, parameters,
+    per-rank memory under ddp / zero2 / zero3), then stop without training."""
     resume: Optional[str] = None
     """auto: continue from the newest complete checkpoint in the run folder (fresh if
     there is none, and it says so); PATH: continue from that checkpoint; null: start fresh."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
-from runner.metrics import MetricsWriter, Progress, perplexity
+from runner.metrics import MetricsWriter, Progress, peak_memory_mb, perplexity
 from runner.plan import RunPlan
 from runner.signals import StopRequest, Stopped
 
@@ -26,6 +26,15 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 log = logging.getLogger("runner")
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    """What the progress bar shows beside its rate and ETA."""
+    shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if record.get("mfu") is not None:
+        shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+    shown["mem"] = f"{max(record['peak_memory_mb']):,.0f}MB"
+    return shown
 
 
 class NonFiniteLoss(RuntimeError):
@@ -64,6 +73,8 @@ class Trainer:
         keep_checkpoints: int,
         sampler: Any = None,
         spec_yaml: str = "",
+        flops_per_token: float = 0.0,
+        peak_flops: float = 0.0,
     ) -> None:
         self.accelerator = accelerator
         self.model = model
@@ -77,11 +88,17 @@ class Trainer:
         self.log_every, self.eval_every, self.save_every = log_every, eval_every, save_every
         self.keep_checkpoints = keep_checkpoints
         self.state = LoopState()
-        self.metrics = MetricsWriter(run_dir / "metrics.jsonl", accelerator.is_main_process)
+        self.metrics = MetricsWriter(
+            run_dir / "metrics.jsonl",
+            accelerator.is_main_process,
+            tracker_log=(lambda values, step: accelerator.log(values, step=step)) if accelerator.trackers else None,
+        )
         self.grad_norm: Optional[torch.Tensor] = None
         self.sampler = sampler
         self.spec_yaml = spec_yaml  # saved into each checkpoint, to check a resume against
         self.stop = StopRequest()
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops  # all devices together
         self.last_checkpoint: Optional[Path] = None
 
     # ------------------------------------------------------------------ loop
@@ -102,7 +119,7 @@ class Trainer:
                     window_steps += 1
                     if self.log_every and s.step % self.log_every == 0:
                         record = self._log_step(window_steps, time.perf_counter() - window_start)
-                        progress.update(0, loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                        progress.update(0, **_postfix(record))
                         window_start, window_steps = time.perf_counter(), 0
                     progress.update(1)
                     if self.eval_every and s.step % self.eval_every == 0 and s.step < plan.total_steps:
@@ -227,20 +244,29 @@ class Trainer:
         s.total_loss_steps += window_steps
         s.loss_sum, s.loss_count = None, 0
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
+        tokens_per_s = rate * plan.tokens_per_step
+        peaks = self.accelerator.gather(torch.tensor([peak_memory_mb(self.accelerator.device)], device=self.accelerator.device))
         record = {
             "step": s.step,
             "epoch": round(s.epoch + s.batches_in_epoch / max(len(self.train_loader), 1), 4),
             "loss": mean,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
-            "tokens_per_s": rate * plan.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
             "samples_per_s": rate * plan.global_batch_size,
+            "mfu": self.mfu(tokens_per_s),
+            "peak_memory_mb": [round(float(v), 1) for v in peaks.cpu()],  # one per rank
         }
         scale = self._loss_scale()
         if scale is not None:
             record.update(loss_scale=scale, skipped_steps=s.skipped_steps)
         self.metrics.write(record)
         return record
+
+    def mfu(self, tokens_per_s: float) -> Optional[float]:
+        if not self.peak_flops or not tokens_per_s == tokens_per_s:  # unknown peak, or NaN rate
+            return None
+        return tokens_per_s * self.flops_per_token / self.peak_flops
 
     def _loss_scale(self) -> Optional[float]:
         """fp16's dynamic loss scale (Accelerate's GradScaler or DeepSpeed's), else None."""
@@ -317,4 +343,5 @@ class Trainer:
             "train_samples_per_second": round(samples / runtime, 3),
             "train_steps_per_second": round(s.step / runtime, 3),
             "train_tokens_per_second": round(samples * plan.block_size / runtime, 1),
+            "train_mfu": self.mfu(samples * plan.block_size / runtime),
         }

@@ -8,11 +8,14 @@ files on disk. Runs in the launcher only, before a run folder is touched.
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from runner.data_checks import check_data_files
 from runner.errors import UserError
 from runner.spec import PrecisionKind, RunSpec, StrategyKind
+
+if TYPE_CHECKING:
+    from runner.data import PreparedData
 
 
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
@@ -121,6 +124,12 @@ def check_machine(spec: RunSpec) -> list[str]:
             f"strategy={spec.strategy.kind.value} needs DeepSpeed, which is not installed. Install it with "
             "`pip install --no-build-isolation 'runner[deepspeed]'`, or use strategy=ddp."
         )
+    tracker_module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}.get(spec.tracking.value)
+    if tracker_module and importlib.util.find_spec(tracker_module) is None:
+        problems.append(
+            f"tracking={spec.tracking.value} needs the {tracker_module} package: pip install {tracker_module} "
+            "(or tracking=none)."
+        )
     cuda = torch.cuda.is_available()
     if spec.precision.kind is PrecisionKind.fp16 and not cuda:
         problems.append(
@@ -175,7 +184,7 @@ def validate(spec: RunSpec, world_size: int = 1) -> None:
         raise UserError(problems)
 
 
-def check_blocks(spec: RunSpec) -> None:
+def check_blocks(spec: RunSpec) -> "PreparedData":
     """Tokenize and group the data now, in the launcher: data that yields no training
     or evaluation block is refused before any worker starts, and workers then read
     the same on-disk cache."""
@@ -184,4 +193,4 @@ def check_blocks(spec: RunSpec) -> None:
 
     tokenizer = build_tokenizer(spec.model)
     block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
-    prepare(spec.data, tokenizer, block_size)
+    return prepare(spec.data, tokenizer, block_size)

@@ -55,6 +55,23 @@ def _is_timeout(err: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or type(err).__name__ == "DistBackendError" and "wait" in text
 
 
+def tracker_hparams(spec: RunSpec) -> dict[str, Any]:
+    """The spec, flattened to the scalar values trackers accept as hyperparameters."""
+    from runner.spec import spec_dict
+
+    out: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+
+    walk(spec_dict(spec), "")
+    return out
+
+
 def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     """resume=auto|PATH, or after a crash restart (launch.max_restarts) the newest checkpoint."""
     from runner.checkpoint import latest_checkpoint
@@ -114,6 +131,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
     from runner.plots import PLOT_FILENAME, plot_loss_curves
     from runner.checkpoint import checkpoint_dir, load_checkpoint
+    from runner.flops import model_flops_per_token, peak_flops
     from runner.signals import EXIT_CODES, Stopped
     from runner.spec import spec_to_yaml
     from runner.trainer import NonFiniteLoss, Trainer
@@ -130,7 +148,10 @@ def train(spec: RunSpec) -> dict[str, Any]:
     accelerator = build_accelerator(
         spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm,
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
+        tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
     )
+    if spec.tracking.value != "none":
+        accelerator.init_trackers(spec.name, config=tracker_hparams(spec))
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
     # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
@@ -180,6 +201,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
         keep_checkpoints=t.keep_checkpoints,
         sampler=sampler,
         spec_yaml=spec_to_yaml(spec),
+        flops_per_token=model_flops_per_token(config, plan.parameters, block_size),
+        peak_flops=peak_flops(accelerator.device, spec.precision.kind.value) * accelerator.num_processes,
     )
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:

@@ -1,0 +1,60 @@
+"""Batch arithmetic, the dry-run plan and its memory estimate."""
+
+import math
+
+import pytest
+
+from runner.plan import batches_per_rank, estimate_memory, steps_per_epoch, total_steps
+
+P = 124_439_808  # GPT-2 small
+
+
+def test_batches_and_steps():
+    assert batches_per_rank(100, 8, 1) == 13
+    assert batches_per_rank(100, 8, 2) == 7  # 13 batches round-robin over 2 ranks, the last round padded
+    assert steps_per_epoch(13, 2) == 7  # the short last accumulation still steps
+    assert total_steps(None, 3, 7) == 21 and total_steps(5, 3, 7) == 5 and total_steps(None, 0.5, 7) == 4
+
+
+def test_ddp_keeps_16_bytes_per_parameter_on_every_rank():
+    est = estimate_memory(P, "ddp", "fp32", 8)
+    assert (est.params, est.grads, est.optimizer) == (4 * P, 4 * P, 8 * P)
+    assert estimate_memory(P, "ddp", "bf16", 8).device_total == 16 * P  # autocast keeps fp32 weights
+
+
+def test_zero2_partitions_gradients_and_optimizer():
+    est = estimate_memory(P, "zero2", "bf16", 8)
+    assert est.params == 2 * P and est.grads == pytest.approx(2 * P / 8) and est.optimizer == pytest.approx(12 * P / 8)
+
+
+def test_zero3_partitions_everything():
+    est = estimate_memory(P, "zero3", "bf16", 8)
+    assert est.device_total == pytest.approx(16 * P / 8)
+    fp32 = estimate_memory(P, "zero3", "fp32", 4)
+    assert fp32.device_total == pytest.approx(16 * P / 4)
+
+
+def test_offload_moves_state_to_the_host():
+    est = estimate_memory(P, "zero3", "bf16", 4, offload_optimizer=True, offload_params=True)
+    assert est.optimizer == 0 and est.params == 0
+    assert est.offloaded == pytest.approx(12 * P / 4 + 2 * P / 4)
+    assert est.grads == pytest.approx(2 * P / 4)
+    # Offloading parameters means nothing under ZeRO-2: weights stay on the device.
+    assert estimate_memory(P, "zero2", "bf16", 4, offload_params=True).params == 2 * P
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    from runner.cli import main
+
+    run_dir = tmp_path / "run"
+    main(["recipe=gpt2_clm_tiny", "dry_run=true", "launch.nproc_per_node=2", "train.grad_accum_steps=2",
+          "strategy=zero3", f"hydra.run.dir={run_dir}"])
+    out = capsys.readouterr().out
+    blocks = 7364  # the vendored corpus at block 128, 95% for training
+    per_epoch = math.ceil(batches_per_rank(blocks, 8, 2) / 2)
+    assert "global batch    32 = 8 per device x 2 process(es) x 2 accumulation" in out
+    assert "tokens/step     4,096 = 32 x 128" in out
+    assert f"epochs of {per_epoch:,} steps over {blocks:,} blocks" in out
+    assert "parameters      3,324,736" in out
+    assert "ddp 50.7 MiB | zero2 " in out and "zero3 25.4 MiB" in out
+    assert not run_dir.exists()
