@@ -51,6 +51,7 @@ class LoopState:
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
     skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered
+    first_step_time: Optional[float] = None  # wall clock (time.time()) when step 1 finished, for benchmarks
     last_eval: dict[str, float] = field(default_factory=dict)
 
 
@@ -212,6 +213,8 @@ class Trainer:
         if not acc.sync_gradients:
             return False
         s.step += 1
+        if s.first_step_time is None:
+            s.first_step_time = time.time()
         return True
 
     def _check_finite(self, loss: torch.Tensor) -> None:
@@ -344,4 +347,5 @@ class Trainer:
             "train_steps_per_second": round(s.step / runtime, 3),
             "train_tokens_per_second": round(samples * plan.block_size / runtime, 1),
             "train_mfu": self.mfu(samples * plan.block_size / runtime),
+            "first_step_time": s.first_step_time,
         }

@@ -242,6 +242,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     results: dict[str, Any] = {}
     if accelerator.is_main_process:
         train_results["train_samples_total"] = len(data.train)
+        train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
         results = write_results(run_dir, train_results, eval_results or None)
         plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
         log.info(summary_table(results, run_dir))
