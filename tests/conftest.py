@@ -38,6 +38,26 @@ MICRO = [
 ]
 
 
+def patch_train_step(tmp_path: Path, condition: str, action: str) -> dict[str, str]:
+    """Environment that makes spawned workers run `action` inside Trainer.train_step when
+    `condition` holds (a sitecustomize.py on PYTHONPATH): failure injection for tests,
+    with no switch in product code. Both are Python expressions/statements over
+    `os`, `time` and `self`."""
+    inject = tmp_path / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "import runner.trainer as trainer\n"
+        "original = trainer.Trainer.train_step\n"
+        "def patched(self, batch):\n"
+        f"    if {condition}:\n"
+        f"        {action}\n"
+        "    return original(self, batch)\n"
+        "trainer.Trainer.train_step = patched\n"
+    )
+    return {"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tokenized data goes to a per-session cache, never the user's."""

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
+from conftest import patch_train_step
 from test_checkpoint import RUN, losses, resume_cmd, wait_for
 
 pytestmark = pytest.mark.slow
@@ -58,21 +58,12 @@ def test_sigterm_to_the_launcher_reaches_every_rank(ddp_uninterrupted, tmp_path)
 
 def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path):
     """Rank 1 dies once at step 10; the launcher restarts both workers, which resume."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
-        import os
-        import runner.trainer as trainer
-        original = trainer.Trainer.train_step
-        def dying(self, batch):
-            if (os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-                    and self.state.step >= 10):
-                os._exit(1)  # as if the process were killed
-            return original(self, batch)
-        trainer.Trainer.train_step = dying
-    """))
+    env = {**os.environ, **patch_train_step(
+        tmp_path,
+        'os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.state.step >= 10',
+        "os._exit(1)  # as if the process were killed",
+    )}
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(cmd(run_dir, "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run_dir / "all_results.json").read_text())

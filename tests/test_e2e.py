@@ -116,3 +116,28 @@ def test_accumulation_matches_a_bigger_batch(tmp_path):
     big = train_run(tmp_path / "b8", [*base, "train.per_device_batch_size=8"])
     acc = train_run(tmp_path / "b4x2", [*base, "train.per_device_batch_size=4", "train.grad_accum_steps=2"])
     assert [m["loss"] for m in acc if "loss" in m] == pytest.approx([m["loss"] for m in big if "loss" in m], abs=1e-4)
+
+
+def test_gradient_checkpointing_and_eager_attention_keep_the_numbers(tmp_path):
+    """Recomputing activations and another attention kernel change speed/memory, not the math."""
+    from conftest import MICRO
+
+    # The first 3 steps do not depend on the schedule's length (2 warmup steps), so a
+    # 3-step run must reproduce the golden 8-step run's first 3 losses.
+    golden = json.loads(GOLDEN.read_text())["losses"][:3]
+    short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]
+    metrics = train_run(tmp_path / "run", [*short, "model.gradient_checkpointing=true", "model.attn_implementation=eager"])
+    assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(golden, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_and_saves(tmp_path):
+    from conftest import MICRO
+
+    short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]
+    metrics = train_run(tmp_path / "run", [*short, "model.compile=true"])
+    golden = json.loads(GOLDEN.read_text())["losses"][:3]
+    assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(golden, abs=1e-3)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # no torch.compile prefixes in the saved keys

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import MICRO
+from conftest import MICRO, patch_train_step
 
 pytestmark = pytest.mark.slow
 
@@ -140,20 +139,9 @@ def test_multi_node_needs_an_explicit_shared_run_folder():
 
 def test_a_rank_that_raises_stops_the_run(tmp_path):
     """Rank 1 raises at its second step: the launcher stops everyone and exits non-zero."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
-        import os
-        import runner.trainer as trainer
-        original = trainer.Trainer.train_step
-        def failing(self, batch):
-            if os.environ.get("RANK") == "1" and self.state.step >= 1:
-                raise RuntimeError("injected failure on rank 1")
-            return original(self, batch)
-        trainer.Trainer.train_step = failing
-    """))
-    done = runner(tmp_path / "fail", "launch.nproc_per_node=2", "train.per_device_batch_size=4",
-                  env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    env = patch_train_step(tmp_path, 'os.environ.get("RANK") == "1" and self.state.step >= 1',
+                           'raise RuntimeError("injected failure on rank 1")')
+    done = runner(tmp_path / "fail", "launch.nproc_per_node=2", "train.per_device_batch_size=4", env=env, timeout=300)
     assert done.returncode != 0
     assert "injected failure on rank 1" in done.stderr
     assert "worker rank 1 failed" in done.stderr
@@ -185,20 +173,9 @@ def test_joined_ranks_stop_when_rank_0_refuses_the_config(tmp_path):
 
 def test_a_collective_timeout_names_the_rank_and_the_setting(tmp_path):
     """Rank 1 stalls; rank 0's collective times out after launch.timeout_minutes."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(textwrap.dedent("""
-        import os, time
-        import runner.trainer as trainer
-        original = trainer.Trainer.train_step
-        def stalling(self, batch):
-            if os.environ.get("RANK") == "1" and self.state.step >= 1:
-                time.sleep(20)
-            return original(self, batch)
-        trainer.Trainer.train_step = stalling
-    """))
+    env = patch_train_step(tmp_path, 'os.environ.get("RANK") == "1" and self.state.step >= 1', "time.sleep(20)")
     done = runner(tmp_path / "hang", "launch.nproc_per_node=2", "train.per_device_batch_size=4", "launch.timeout_minutes=0.1",
-                  env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+                  env=env, timeout=300)
     assert done.returncode != 0
     assert "launch.timeout_minutes=0.1" in done.stderr and "When a run hangs" in done.stderr
     assert "rank 0 waited" in done.stderr
