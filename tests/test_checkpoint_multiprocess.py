@@ -69,3 +69,22 @@ def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["train_steps"] == 24
     assert losses(run_dir) == ddp_uninterrupted
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_zero_kill_9_then_resume_matches(tmp_path, strategy):
+    """Under DeepSpeed the checkpoint is the engine's own, sharded per rank; it resumes too."""
+    full = tmp_path / "full"
+    done = subprocess.run(cmd(full, f"strategy={strategy}"), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "cut"
+    proc = subprocess.Popen(cmd(run_dir, f"strategy={strategy}"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    resumed, reference = losses(run_dir), losses(full)
+    assert sorted(resumed) == sorted(reference)
+    assert [resumed[k] for k in sorted(resumed)] == pytest.approx([reference[k] for k in sorted(reference)], abs=1e-5)
