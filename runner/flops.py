@@ -9,6 +9,7 @@ matmul probe and cached.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from typing import Any
@@ -70,10 +71,15 @@ def peak_flops(device: Any, dtype_name: str) -> float:
     else:
         label = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}"
     cache = default_cache_dir() / "peak_flops.json"
-    known: dict[str, float] = json.loads(cache.read_text()) if cache.exists() else {}
+    try:
+        known: dict[str, float] = json.loads(cache.read_text()) if cache.exists() else {}
+    except (OSError, ValueError):
+        known = {}  # another rank is writing it, or it is damaged: measure again
     key = f"{kind}|{label}|{dtype_name}"
     if key not in known:
         known[key] = _probe(dtype_name, "cuda" if kind == "cuda" else "cpu")
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known, indent=1))
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)  # atomic: ranks probing at once never leave half a file
     return known[key]
