@@ -1,8 +1,12 @@
 """Per-rank peak memory of ddp, zero2 and zero3 at 2 processes on a GPT-2-small config.
 
-Not a test: prints measured figures and the ZeRO / DDP ratios. On CPU the figure is
-each process's peak RSS, which includes the interpreter and libraries (about 1 GB
-that no strategy can partition); on a GPU it is CUDA's max allocated.
+Not a test: prints measured figures and the ZeRO / DDP ratios. Two figures per rank,
+both read at the last training step (before the final save, whose ZeRO-3 gather of
+the full model would dominate): `held` is the memory the rank holds then (CUDA
+allocated on a GPU; resident set on a CPU) and `peak` the most it ever held (CUDA max
+allocated; peak RSS). On a CPU both include the interpreter and libraries (about
+1 GB that no strategy can partition), and the peak also includes the full model
+that every rank builds, seeded, before DeepSpeed partitions it.
 
     python bench/strategy_memory.py            # ~5 minutes on 2 CPU cores
 """
@@ -28,7 +32,7 @@ RUN = [
 ]
 
 
-def measure(strategy: str, root: Path) -> list[float]:
+def measure(strategy: str, root: Path) -> dict[str, list[float]]:
     run_dir = root / strategy
     done = subprocess.run(
         [sys.executable, "-m", "runner", *RUN, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
@@ -36,17 +40,22 @@ def measure(strategy: str, root: Path) -> list[float]:
     )
     if done.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{done.stderr[-3000:]}")
-    return json.loads((run_dir / "all_results.json").read_text())["peak_memory_mb_per_rank"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "loss" in r][-1]
+    return {"held": last["memory_mb"], "peak": last["peak_memory_mb"]}
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = {s: measure(s, Path(tmp)) for s in ("ddp", "zero2", "zero3")}
-    ddp = max(results["ddp"])
-    print(f"{'strategy':<8} {'rank 0 MB':>10} {'rank 1 MB':>10} {'max / ddp':>10}")
-    for name, peaks in results.items():
-        print(f"{name:<8} {peaks[0]:>10,.0f} {peaks[1]:>10,.0f} {max(peaks) / ddp:>10.2f}")
-    print(f"zero3 / ddp peak per rank: {max(results['zero3']) / ddp:.2f}")
+    for figure in ("held", "peak"):
+        ddp = max(results["ddp"][figure])
+        print(f"\n{figure} memory per rank at the last training step")
+        print(f"{'strategy':<8} {'rank 0 MB':>10} {'rank 1 MB':>10} {'max / ddp':>10}")
+        for name, measured in results.items():
+            values = measured[figure]
+            print(f"{name:<8} {values[0]:>10,.0f} {values[1]:>10,.0f} {max(values) / ddp:>10.2f}")
+        print(f"zero3 / ddp {figure} per rank: {max(results['zero3'][figure]) / ddp:.2f}")
 
 
 if __name__ == "__main__":

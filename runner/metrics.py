@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,8 +27,9 @@ class MetricsWriter:
             handle.write(json.dumps(record) + "\n")
         if self.tracker_log is not None:
             numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            if isinstance(record.get("peak_memory_mb"), list):
-                numbers["peak_memory_mb"] = max(record["peak_memory_mb"])
+            for key in ("peak_memory_mb", "memory_mb"):
+                if isinstance(record.get(key), list):
+                    numbers[key] = max(record[key])
             self.tracker_log(numbers, int(record["step"]))
 
 
@@ -65,6 +67,19 @@ def peak_memory_mb(device: Any = None) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def current_memory_mb(device: Any = None) -> float:
+    """Memory this rank holds now: CUDA allocated on a GPU, else the process's resident set."""
+    import torch
+
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return peak_memory_mb(device)
 
 
 def perplexity(loss: float) -> float:
