@@ -126,7 +126,9 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(vocab_size)
     if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it; 4.x only has the old name.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
         model.config.use_cache = False
     return model
 
