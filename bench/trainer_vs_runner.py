@@ -371,7 +371,7 @@ def compare_bf16(args: argparse.Namespace, work: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per measured run (default 300; > 50)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per measured run (default 300; more than 60)")
     parser.add_argument("--thp-for-all", action="store_true",
                         help="also run Trainer and the plain loop with THP_MEM_ALLOC_ENABLE=1 (runner's default)")
     parser.add_argument("--bf16", action="store_true",
