@@ -105,16 +105,9 @@ _LOCAL_FIELDS = ("run_dir", "launch.node_rank")
 
 
 def spec_differences(mine: RunSpec, leader: RunSpec) -> list[str]:
-    from runner.spec import spec_dict
+    from runner.spec import flat_spec_dict
 
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in d.items():
-            name = f"{prefix}{key}"
-            out.update(flat(value, name + ".") if isinstance(value, dict) else {name: value})
-        return out
-
-    a, b = flat(spec_dict(mine)), flat(spec_dict(leader))
+    a, b = flat_spec_dict(mine), flat_spec_dict(leader)
     return [f"{k}: {a.get(k)!r} here, {b.get(k)!r} on rank 0" for k in sorted(a) if k not in _LOCAL_FIELDS and a.get(k) != b.get(k)]
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from runner.checkpoint import CHECKPOINTS_DIRNAME, complete_checkpoints, is_complete
 from runner.errors import UserError
-from runner.spec import SPEC_FILENAME, RunSpec, load_spec, spec_dict
+from runner.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 
 HARMLESS = (
     "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
@@ -23,17 +23,9 @@ HARMLESS = (
 )
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        out.update(_flat(value, name + ".") if isinstance(value, dict) else {name: value})
-    return out
-
-
 def compare(old: RunSpec, new: RunSpec, old_world: int, new_world: int) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between the checkpoint's spec and this one."""
-    a, b = _flat(spec_dict(old)), _flat(spec_dict(new))
+    a, b = flat_spec_dict(old), flat_spec_dict(new)
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key) or key in ("train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",

@@ -287,3 +287,15 @@ def spec_dict(spec: RunSpec) -> dict[str, Any]:
         return value
 
     return plain(dataclasses.asdict(spec))
+
+
+def flat_spec_dict(spec: RunSpec) -> dict[str, Any]:
+    """{"train.max_steps": 300, ...}: the spec with dotted keys, as overrides name them."""
+
+    def walk(node: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    return walk(spec_dict(spec), "")

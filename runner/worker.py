@@ -57,19 +57,9 @@ def _is_timeout(err: BaseException) -> bool:
 
 def tracker_hparams(spec: RunSpec) -> dict[str, Any]:
     """The spec, flattened to the scalar values trackers accept as hyperparameters."""
-    from runner.spec import spec_dict
+    from runner.spec import flat_spec_dict
 
-    out: dict[str, Any] = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-
-    walk(spec_dict(spec), "")
-    return out
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat_spec_dict(spec).items()}
 
 
 def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
