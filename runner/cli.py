@@ -37,6 +37,12 @@ def refuse(err: UserError) -> NoReturn:
     exit_with(err)
 
 
+def report_failed_run(err: RunFailed) -> NoReturn:
+    """Exit 1 with one line; the failing rank's traceback was already printed above."""
+    sys.stderr.write(f"runner: {err}; its error is shown above.\n")
+    raise SystemExit(1) from None
+
+
 def _apply_slurm_nodes(spec: Any) -> None:
     """srun with one task per node: each task is this node's launcher."""
     from runner.distributed import slurm_node_launch
@@ -56,20 +62,18 @@ def start(
     run_dir_chosen: bool = True,
 ) -> None:
     """Validate, claim the run folder, freeze the spec, launch. Shared by both entries."""
-    import tempfile
-
     import signal
+    import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.signals import EXIT_CODES
-
     from runner.accelerate_config import apply_accelerate_config
-    from runner.spec import StrategyKind
     from runner.launch import launch, world_size
     from runner.resume import check_resume
     from runner.rundir import freeze, prepare_run_dir
+    from runner.signals import EXIT_CODES
+    from runner.spec import StrategyKind
     from runner.validate import check_blocks, validate
 
     if spec.strategy.kind is StrategyKind.accelerate_config:
@@ -79,12 +83,13 @@ def start(
             sys.stderr.write(f"runner: note: {note}\n")
     _apply_slurm_nodes(spec)
     spec.run_dir = str(run_dir.resolve())
-    validate(spec, world_size(spec.launch))
+    world = world_size(spec.launch)  # after the accelerate-config and Slurm settings above
+    validate(spec, world)
     data = check_blocks(spec)
     if spec.dry_run:
         from runner.dry_run import report
 
-        print(report(spec, data, world_size(spec.launch)))
+        print(report(spec, data, world))
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
         return
@@ -95,7 +100,7 @@ def start(
         )
     resuming = False
     if spec.resume is not None:
-        checkpoint, notes = check_resume(spec, run_dir.resolve(), world_size(spec.launch), None)
+        checkpoint, notes = check_resume(spec, run_dir.resolve(), world)
         for note in notes:
             sys.stderr.write(f"runner: {note}\n")
         resuming = checkpoint is not None or spec.resume == "auto"
@@ -149,8 +154,7 @@ def _hydra_task(cfg: Any) -> None:
             if isinstance(err, UserError):
                 refuse(err)  # exit here: Hydra would print "Error executing job" first
             if isinstance(err, RunFailed):
-                sys.stderr.write(f"runner: {err}; its error is shown above.\n")
-                raise SystemExit(1) from None
+                report_failed_run(err)
             raise
         # In a sweep a failed job is recorded, and the next job runs.
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
@@ -224,8 +228,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UserError as err:
         refuse(err)
     except RunFailed as err:
-        sys.stderr.write(f"runner: {err}; its error is shown above.\n")
-        raise SystemExit(1) from None
+        report_failed_run(err)
 
 
 def _run_hydra(argv: list[str]) -> None:

@@ -135,7 +135,7 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str
         f"  tokens          {p.total_steps * p.tokens_per_step:,}",
         f"  parameters      {p.parameters:,}",
         f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
-        f"  memory per rank (model states; activations come on top):",
+        "  memory per rank (model states; activations come on top):",
         f"    parameters    {_gib(estimate.params)}",
         f"    gradients     {_gib(estimate.grads)}",
         f"    optimizer     {_gib(estimate.optimizer)}",

@@ -64,7 +64,7 @@ def describe_fresh_start(run_dir: Path) -> str:
     return f"resume=auto: no checkpoint in {run_dir}; starting fresh."
 
 
-def check_resume(spec: RunSpec, run_dir: Path, world_size: int, old_world_size: Optional[int]) -> tuple[Optional[Path], list[str]]:
+def check_resume(spec: RunSpec, run_dir: Path, world_size: int) -> tuple[Optional[Path], list[str]]:
     """Launcher-side: the checkpoint and notes to print, or a UserError naming what changed."""
     path = resolve(spec, run_dir)
     if path is None:
@@ -78,12 +78,13 @@ def check_resume(spec: RunSpec, run_dir: Path, world_size: int, old_world_size: 
         raise UserError(f"checkpoint {path}: its {SPEC_FILENAME} is unreadable ({err}).") from None
     from runner.checkpoint import read_marker
 
-    breaking, harmless = compare(old, spec, int(read_marker(path).get("world_size", old_world_size or world_size)), world_size)
+    marker = read_marker(path)
+    breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size)
     if breaking:
         raise UserError(
             f"cannot resume {path}: these changes would break the run's math: {'; '.join(breaking)}. "
             "Undo them, or start a new run folder."
         )
-    notes = [f"resuming from {path} (step {read_marker(path).get('step')})"]
+    notes = [f"resuming from {path} (step {marker.get('step')})"]
     notes += [f"resume: accepted change {h}" for h in harmless]
     return path, notes

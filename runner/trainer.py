@@ -238,14 +238,21 @@ class Trainer:
             "Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
         )
 
-    def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
-        """Mean loss since the last log, averaged over ranks. The only host sync."""
-        s, plan = self.state, self.plan
+    def _close_loss_window(self, window_steps: int) -> float:
+        """Mean loss since the last log, averaged over ranks, added to the run's total."""
+        s = self.state
         assert s.loss_sum is not None
         mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
         s.total_loss += mean * window_steps
         s.total_loss_steps += window_steps
         s.loss_sum, s.loss_count = None, 0
+        return mean
+
+    def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
+        """One metrics line: the window's loss and rates (read on the host only here and
+        in the per-step finite check)."""
+        s, plan = self.state, self.plan
+        mean = self._close_loss_window(window_steps)
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
         tokens_per_s = rate * plan.tokens_per_step
         device = self.accelerator.device
@@ -332,10 +339,7 @@ class Trainer:
     def _train_results(self, runtime: float) -> dict[str, Any]:
         s, plan = self.state, self.plan
         if s.loss_count:  # steps since the last log
-            mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
-            remaining = s.step - s.total_loss_steps
-            s.total_loss += mean * remaining
-            s.total_loss_steps += remaining
+            self._close_loss_window(s.step - s.total_loss_steps)
         train_loss = s.total_loss / s.total_loss_steps if s.total_loss_steps else math.nan
         samples = s.step * plan.global_batch_size
         return {

@@ -42,6 +42,29 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.02)
 
 
+def kill_9_after_checkpoint(command: list[str], run_dir: Path, step: int = 8) -> None:
+    """Start a run and SIGKILL it, with any workers it spawned, once checkpoint `step` is complete."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything
+    proc.wait()
+
+
+def sigterm_after_first_log(command: list[str], run_dir: Path, timeout: int) -> tuple[int, str]:
+    """Start a run, SIGTERM it once it has logged a step; (exit code, stderr)."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(run_dir / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def resume_ok(run_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("full") / "run"
@@ -53,27 +76,19 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
 
 def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
-    proc.kill()  # SIGKILL: no chance to save anything
-    proc.wait()
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    kill_9_after_checkpoint(cmd(run_dir), run_dir)
+    done = resume_ok(run_dir)
     assert "resuming from" in done.stderr
     assert losses(run_dir) == uninterrupted  # every step, bit for bit
 
 
 def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(run_dir, "train.save_every=0"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(run_dir / "metrics.jsonl", proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    code, err = sigterm_after_first_log(cmd(run_dir, "train.save_every=0"), run_dir, timeout=120)
+    assert code == 143, err[-3000:]
     assert "stopped by SIGTERM" in err and "--resume auto" in err
     [checkpoint] = complete_checkpoints(run_dir)
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    resume_ok(run_dir)
     assert losses(run_dir) == uninterrupted
     assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
+from runner.checkpoint import complete_checkpoints
 from conftest import patch_train_step
-from test_checkpoint import RUN, losses, resume_cmd, wait_for
+from test_checkpoint import RUN, kill_9_after_checkpoint, losses, resume_ok, sigterm_after_first_log
 
 pytestmark = pytest.mark.slow
 
@@ -33,26 +32,18 @@ def ddp_uninterrupted(tmp_path_factory):
 
 def test_ddp_kill_9_then_resume_is_bit_exact(ddp_uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, no goodbye
-    proc.wait()
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    kill_9_after_checkpoint(cmd(run_dir), run_dir)  # the launcher and both workers, no goodbye
+    resume_ok(run_dir, timeout=900)
     assert losses(run_dir) == ddp_uninterrupted
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank(ddp_uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(run_dir, "train.save_every=0"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(run_dir / "metrics.jsonl", proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143, err[-3000:]
+    code, err = sigterm_after_first_log(cmd(run_dir, "train.save_every=0"), run_dir, timeout=300)
+    assert code == 143, err[-3000:]
     assert "--resume auto" in err
     [checkpoint] = complete_checkpoints(run_dir)  # written by both ranks at one agreed step
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    resume_ok(run_dir, timeout=900)
     assert losses(run_dir) == ddp_uninterrupted
 
 
@@ -78,13 +69,9 @@ def test_zero_kill_9_then_resume_matches(tmp_path, strategy):
     done = subprocess.run(cmd(full, f"strategy={strategy}"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "cut"
-    proc = subprocess.Popen(cmd(run_dir, f"strategy={strategy}"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    wait_for(run_dir / "checkpoints" / "step_8" / COMPLETE_MARKER, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    kill_9_after_checkpoint(cmd(run_dir, f"strategy={strategy}"), run_dir)
+    done = resume_ok(run_dir, timeout=900)
+    assert "resuming from" in done.stderr, done.stderr[-3000:]
     resumed, reference = losses(run_dir), losses(full)
     assert sorted(resumed) == sorted(reference)
     assert [resumed[k] for k in sorted(resumed)] == pytest.approx([reference[k] for k in sorted(reference)], abs=1e-5)

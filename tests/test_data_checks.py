@@ -2,7 +2,6 @@
 
 import gzip
 
-import pytest
 
 from runner.data_checks import check_file
 from runner.spec import DataSpec
