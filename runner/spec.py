@@ -194,6 +194,10 @@ class LaunchSpec:
     """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
     debug: bool = False
     """Distributed debug logs on every rank: TORCH_DISTRIBUTED_DEBUG=DETAIL, and NCCL_DEBUG=INFO on GPUs."""
+    retain_freed_memory: bool = True
+    """Keep freed host (CPU) memory in each worker for reuse instead of returning it to the
+    OS every step (glibc mallopt; see runner/host_memory.py): much faster CPU steps, but a
+    worker's resident memory stays near its peak. false: glibc's defaults."""
 
 
 @dataclass
