@@ -129,8 +129,9 @@ class OptimSpec:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value before each step. 0 disables."""
-    fused: bool = False
-    """Use torch's fused AdamW kernel (faster where supported)."""
+    fused: bool = True
+    """torch's fused AdamW kernel (one kernel for all parameters; the HF Trainer's default
+    optimizer too). false: torch's default (foreach) implementation."""
     scale_lr: LrScaling = LrScaling.none
     """Rescale lr when the global batch B differs from reference_global_batch B_ref:
     none | linear (lr x B / B_ref) | sqrt (lr x sqrt(B / B_ref))."""
