@@ -20,7 +20,7 @@ cache for runner and the plain loop, the OS file cache for everyone), then once
 measured: warm cache vs warm cache.
 
     python bench/trainer_vs_runner.py --steps 300                 # ~10 minutes on 2 CPU cores
-    python bench/trainer_vs_runner.py --steps 300 --thp-for-all   # + Trainer and plain loop with THP_MEM_ALLOC_ENABLE=1
+    python bench/trainer_vs_runner.py --steps 300 --repeats 3     # three interleaved rounds, medians
     python bench/trainer_vs_runner.py --bf16 --steps 200          # runner only: precision=fp32 vs bf16
 
 Internal: `--worker trainer|plain --steps N --out FILE` runs one framework (used by the above).
@@ -192,15 +192,26 @@ def worker_plain(steps: int, out: Path) -> None:
 
 
 # ============================================================== the benchmark (parent)
-def _env(thp: bool) -> dict[str, str]:
-    """The same environment for every subprocess. runner sets THP_MEM_ALLOC_ENABLE=1
-    for itself when it is unset; the others get it only when asked."""
+# What runner sets for itself (runner/cli.py, runner/host_memory.py), as environment
+# variables another process can be given: huge pages for torch's large CPU tensors, and
+# glibc keeping freed memory for reuse (mallopt's thresholds, via glibc's tunables).
+TUNED_ENV = {
+    "THP_MEM_ALLOC_ENABLE": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+}
+
+
+def _env(tuned: bool) -> dict[str, str]:
+    """The same environment for every subprocess. runner tunes its host memory itself;
+    the others get the same settings only when `tuned`."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.pop("THP_MEM_ALLOC_ENABLE", None)
-    if thp:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    for key in TUNED_ENV:
+        env.pop(key, None)
+    if tuned:
+        env.update(TUNED_ENV)
     return env
 
 
@@ -222,10 +233,10 @@ def _steady_from_stamps(stamps: list[float]) -> float:
     return (n - STEADY_FROM) * TOKENS_PER_STEP / (stamps[-1] - stamps[STEADY_FROM - 1])
 
 
-def run_worker(kind: str, steps: int, work: Path, tag: str, thp: bool) -> dict[str, Any]:
+def run_worker(kind: str, steps: int, work: Path, tag: str, tuned: bool) -> dict[str, Any]:
     out = work / f"{tag}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps), "--out", str(out)]
-    t0 = _spawn(cmd, _env(thp), work / f"{tag}.log")
+    t0 = _spawn(cmd, _env(tuned), work / f"{tag}.log")
     result = json.loads(out.read_text())
     stamps = result["step_end_times"]
     return {
@@ -236,7 +247,7 @@ def run_worker(kind: str, steps: int, work: Path, tag: str, thp: bool) -> dict[s
     }
 
 
-def run_runner(steps: int, work: Path, tag: str, precision: str = "fp32") -> dict[str, Any]:
+def run_runner(steps: int, work: Path, tag: str, precision: str = "fp32", extra: tuple[str, ...] = ()) -> dict[str, Any]:
     run_dir = work / tag
     cmd = [
         sys.executable, "-m", "runner",
@@ -249,17 +260,22 @@ def run_runner(steps: int, work: Path, tag: str, precision: str = "fp32") -> dic
         f'model.config_overrides="{CONFIG_OVERRIDES}"',
         f"precision={precision}",
         f"hydra.run.dir={run_dir}",
+        *extra,
     ]  # fmt: skip
-    t0 = _spawn(cmd, _env(thp=False), work / f"{tag}.log")
+    t0 = _spawn(cmd, _env(tuned=False), work / f"{tag}.log")
     results = json.loads((run_dir / "all_results.json").read_text())
     windows = [
         json.loads(line)
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    steady = [w["tokens_per_s"] for w in windows if "tokens_per_s" in w and STEADY_FROM < w["step"] <= steps]
+    # Each 10-step window logs its rate; its duration is its tokens over that rate.
+    # Steady = all tokens after step 50 over all their time (not a mean of rates).
+    steady = [w for w in windows if "tokens_per_s" in w and STEADY_FROM < w["step"] <= steps]
+    tokens = [(w["step"] - prev["step"]) * TOKENS_PER_STEP for prev, w in zip(windows, windows[1:]) if w in steady]
+    seconds = [n / w["tokens_per_s"] for n, w in zip(tokens, steady)]
     return {
-        "tokens_per_s": sum(steady) / len(steady) if steady else float("nan"),
+        "tokens_per_s": sum(tokens) / sum(seconds) if seconds else float("nan"),
         "first_step_s": results["first_step_time"] - t0,
         "steps": results["train_steps"],
         "data_seconds": results["data_seconds"],
@@ -297,68 +313,101 @@ def _header(args: argparse.Namespace) -> str:
     )
 
 
+# The least any runner must import before its first step: torch, transformers' GPT-2
+# modelling code and Accelerate (which imports DeepSpeed when installed).
+IMPORT_FLOOR = "from transformers import GPT2LMHeadModel; from accelerate import Accelerator; import time; print(time.time())"
+
+
+def import_floor(env: dict[str, str]) -> float:
+    """Seconds from spawning an interpreter to the end of those imports (the median of 3)."""
+    times = []
+    for _ in range(3):
+        t0 = time.time()
+        done = subprocess.run([sys.executable, "-c", IMPORT_FLOOR], env=env, capture_output=True, text=True, check=True)
+        times.append(float(done.stdout.strip().splitlines()[-1]) - t0)
+    return sorted(times)[1]
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median steady tokens/s (its time to first step comes with it)."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _goal_lines(runner: dict[str, Any], trainer: dict[str, Any], plain: dict[str, Any], label: str) -> list[str]:
+    tok_trainer = runner["tokens_per_s"] / trainer["tokens_per_s"]
+    tok_plain = runner["tokens_per_s"] / plain["tokens_per_s"]
+    ttfs = runner["first_step_s"] / trainer["first_step_s"]
+    return [
+        f"runner / Trainer tokens/s{label}: {tok_trainer:.2f}x      goal >= {GOALS['tok_trainer']:.2f}x: "
+        f"{_mark(tok_trainer >= GOALS['tok_trainer'])}",
+        f"runner / plain loop tokens/s{label}: {tok_plain:.2f}x   goal >= {GOALS['tok_plain']:.2f}x: "
+        f"{_mark(tok_plain >= GOALS['tok_plain'])}",
+        f"runner / Trainer time to first step{label}: {ttfs:.2f}x   goal <= {GOALS['ttfs_trainer']:.2f}x: "
+        f"{_mark(ttfs <= GOALS['ttfs_trainer'])}",
+    ]
+
+
 def compare(args: argparse.Namespace, work: Path) -> None:
     print(_header(args), flush=True)
     n = args.steps
     print(f"warm-up runs ({WARMUP_RUN_STEPS} steps each, to warm the data caches) ...", flush=True)
-    run_worker("trainer", WARMUP_RUN_STEPS, work, "trainer_warmup", thp=False)
+    run_worker("trainer", WARMUP_RUN_STEPS, work, "trainer_warmup", tuned=False)
     run_runner(WARMUP_RUN_STEPS, work, "runner_warmup")
-    run_worker("plain", WARMUP_RUN_STEPS, work, "plain_warmup", thp=False)
-    print("measured runs ...", flush=True)
-    trainer = run_worker("trainer", n, work, "trainer", thp=False)
-    runner = run_runner(n, work, "runner")
-    plain = run_worker("plain", n, work, "plain", thp=False)
+    run_worker("plain", WARMUP_RUN_STEPS, work, "plain_warmup", tuned=False)
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("trainer", "runner", "plain", "trainer_tuned", "plain_tuned")}
+    for r in range(args.repeats):
+        print(f"measured runs, round {r + 1} of {args.repeats} ...", flush=True)
+        # Interleaved, so a slow spell of the machine hits every framework alike.
+        runs["trainer"].append(run_worker("trainer", n, work, f"trainer_{r}", tuned=False))
+        runs["runner"].append(run_runner(n, work, f"runner_{r}"))
+        runs["plain"].append(run_worker("plain", n, work, f"plain_{r}", tuned=False))
+        runs["trainer_tuned"].append(run_worker("trainer", n, work, f"trainer_tuned_{r}", tuned=True))
+        runs["plain_tuned"].append(run_worker("plain", n, work, f"plain_tuned_{r}", tuned=True))
+    floor = import_floor(_env(tuned=False))
+    best = {k: _median_run(v) for k, v in runs.items()}
+    runner = best["runner"]
+    if args.repeats > 1:
+        print("\nsteady tokens/s of every round:")
+        for k, v in runs.items():
+            print(f"  {k:<14} " + ", ".join(f"{x['tokens_per_s']:,.0f}" for x in v))
+        print(f"(tables: each framework's median round of {args.repeats})")
 
     print()
-    print("Second runs, warm cache vs warm cache (each framework ran once before to fill its data cache).")
-    print("Environment: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 for all; THP_MEM_ALLOC_ENABLE unset, "
-          "which runner sets to 1 for itself.")
+    print("A. Same host-memory settings for all: Trainer and the plain loop get, as environment variables, what")
+    print("   runner sets for itself: " + " ".join(f"{k}={v}" for k, v in TUNED_ENV.items()) + ".")
     print(_table([
-        (f"Trainer (run_clm, {trainer['extra']['optim']})", trainer),
+        (f"Trainer (run_clm, {best['trainer_tuned']['extra']['optim']})", best["trainer_tuned"]),
         ("runner", runner),
-        ("plain PyTorch loop", plain),
+        ("plain PyTorch loop", best["plain_tuned"]),
     ], runner))  # fmt: skip
-    tok_trainer = runner["tokens_per_s"] / trainer["tokens_per_s"]
-    tok_plain = runner["tokens_per_s"] / plain["tokens_per_s"]
-    ttfs = runner["first_step_s"] / trainer["first_step_s"]
+    for line in _goal_lines(runner, best["trainer_tuned"], best["plain_tuned"], ""):
+        print(line)
     data_s = runner["data_seconds"]
-    print()
-    print(f"runner / Trainer tokens/s: {tok_trainer:.2f}x      goal >= {GOALS['tok_trainer']:.2f}x: "
-          f"{_mark(tok_trainer >= GOALS['tok_trainer'])}")
-    print(f"runner / plain loop tokens/s: {tok_plain:.2f}x   goal >= {GOALS['tok_plain']:.2f}x: "
-          f"{_mark(tok_plain >= GOALS['tok_plain'])}")
-    print(f"runner / Trainer time to first step: {ttfs:.2f}x   goal <= {GOALS['ttfs_trainer']:.2f}x: "
-          f"{_mark(ttfs <= GOALS['ttfs_trainer'])}")
     print(f"runner data stage (warm cache): {data_s:.2f} s   goal <= {GOALS['data_warm_s']:.0f} s: "
           f"{_mark(data_s <= GOALS['data_warm_s'])}")
-    print(f"(plain loop's data stage, same cache: {plain['extra']['data_seconds']:.2f} s)")
+    print(f"(plain loop's data stage, same cache: {best['plain_tuned']['extra']['data_seconds']:.2f} s)")
+    print(f"import floor: {floor:.2f} s from spawn to the end of `{IMPORT_FLOOR.split('; import time')[0]}` "
+          f"alone = {floor / best['trainer_tuned']['first_step_s']:.2f}x Trainer's time to first step")
 
-    if args.thp_for_all:
-        print("\nTrainer and plain loop again, now with THP_MEM_ALLOC_ENABLE=1 in their environment too "
-              "(caches warm; runner row is the run above) ...", flush=True)
-        trainer_thp = run_worker("trainer", n, work, "trainer_thp", thp=True)
-        plain_thp = run_worker("plain", n, work, "plain_thp", thp=True)
-        print(_table([
-            (f"Trainer + THP ({trainer_thp['extra']['optim']})", trainer_thp),
-            ("runner (THP, its default)", runner),
-            ("plain loop + THP", plain_thp),
-        ], runner))  # fmt: skip
-        tok_trainer = runner["tokens_per_s"] / trainer_thp["tokens_per_s"]
-        tok_plain = runner["tokens_per_s"] / plain_thp["tokens_per_s"]
-        ttfs = runner["first_step_s"] / trainer_thp["first_step_s"]
-        print(f"runner / Trainer tokens/s (THP for all): {tok_trainer:.2f}x      goal >= {GOALS['tok_trainer']:.2f}x: "
-              f"{_mark(tok_trainer >= GOALS['tok_trainer'])}")
-        print(f"runner / plain loop tokens/s (THP for all): {tok_plain:.2f}x   goal >= {GOALS['tok_plain']:.2f}x: "
-              f"{_mark(tok_plain >= GOALS['tok_plain'])}")
-        print(f"runner / Trainer time to first step (THP for all): {ttfs:.2f}x   goal <= {GOALS['ttfs_trainer']:.2f}x: "
-              f"{_mark(ttfs <= GOALS['ttfs_trainer'])}")
+    print()
+    print("B. As each is run out of the box: Trainer and the plain loop with glibc's and torch's defaults")
+    print("   (HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 for all, as in A).")
+    print(_table([
+        (f"Trainer (run_clm, {best['trainer']['extra']['optim']})", best["trainer"]),
+        ("runner", runner),
+        ("plain PyTorch loop", best["plain"]),
+    ], runner))  # fmt: skip
+    for line in _goal_lines(runner, best["trainer"], best["plain"], " (out of the box)"):
+        print(line)
 
 
 def compare_bf16(args: argparse.Namespace, work: Path) -> None:
     print(_header(args).replace(", fp32,", ","), flush=True)
-    print("runner twice: precision=fp32, then precision=bf16 ...", flush=True)
-    fp32 = run_runner(args.steps, work, "runner_fp32", "fp32")
-    bf16 = run_runner(args.steps, work, "runner_bf16", "bf16")
+    extra = ("model.compile=true",) if args.compile else ()
+    print(f"runner twice: precision=fp32, then precision=bf16{' (model.compile=true)' if args.compile else ''} ...", flush=True)
+    fp32 = run_runner(args.steps, work, "runner_fp32", "fp32", extra)
+    bf16 = run_runner(args.steps, work, "runner_bf16", "bf16", extra)
     print()
     print(f"{'runner precision':<16} | {'steady tokens/s':>15} | {'time to first step (s)':>22}")
     print(f"{'-' * 16}-|-{'-' * 15}-|-{'-' * 22}")
@@ -372,10 +421,10 @@ def compare_bf16(args: argparse.Namespace, work: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per measured run (default 300; more than 60)")
-    parser.add_argument("--thp-for-all", action="store_true",
-                        help="also run Trainer and the plain loop with THP_MEM_ALLOC_ENABLE=1 (runner's default)")
+    parser.add_argument("--repeats", type=int, default=1, help="measured rounds; tables show each framework's median (default 1)")
     parser.add_argument("--bf16", action="store_true",
                         help="instead: run runner with precision=fp32 and precision=bf16 and print the ratio")
+    parser.add_argument("--compile", action="store_true", help="with --bf16: both runs with model.compile=true (torch.compile)")
     parser.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here (default: a temp folder)")
     parser.add_argument("--worker", choices=("trainer", "plain"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
