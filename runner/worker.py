@@ -112,7 +112,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     import torch
     from accelerate.utils import set_seed
 
-    from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints
+    from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
     from runner.metrics import peak_memory_mb, summary_table, write_results
@@ -160,6 +160,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     lr = effective_lr(spec.optim, global_batch)
     optimizer = build_optimizer(spec.optim, model, lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
     check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
 

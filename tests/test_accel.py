@@ -4,7 +4,14 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import EngagementError, build_accelerator, check_engaged, check_in_sync, reset_accelerate_state
+from runner.accel import (
+    EngagementError,
+    build_accelerator,
+    check_engaged,
+    check_in_sync,
+    reset_accelerate_state,
+    skip_output_upcast,
+)
 from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 
 SUPPORTED_HERE = [PrecisionKind.fp32, PrecisionKind.bf16] + ([PrecisionKind.fp16] if torch.cuda.is_available() else [])
@@ -29,6 +36,27 @@ def test_requested_dtype_is_in_effect_inside_forward(precision):
     expected = {PrecisionKind.fp32: torch.float32, PrecisionKind.bf16: torch.bfloat16, PrecisionKind.fp16: torch.float16}
     assert seen == [expected[precision]]
     check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(kind=precision), world_size=1)
+
+
+def test_bf16_keeps_autocast_but_not_the_fp32_copy_of_the_logits():
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=PrecisionKind.bf16), grad_accum_steps=1, max_grad_norm=1.0)
+    model = accelerator.prepare(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100)))
+    ids = torch.randint(0, 100, (2, 8))
+    model.eval()  # no dropout: the two losses must match
+    before = model(input_ids=ids, labels=ids)
+    assert before.logits.dtype == torch.float32  # Accelerate's wrapper upcasts every output
+    assert skip_output_upcast(accelerator, model) is True
+    after = model(input_ids=ids, labels=ids)
+    assert after.logits.dtype == torch.bfloat16  # still under autocast, no copy
+    assert after.loss.dtype == torch.float32 and after.loss.item() == pytest.approx(before.loss.item(), rel=1e-6)
+    after.loss.backward()
+    assert skip_output_upcast(accelerator, model) is False  # already gone: a no-op
+
+
+def test_output_upcast_is_left_alone_in_fp32():
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    model = accelerator.prepare(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100)))
+    assert skip_output_upcast(accelerator, model) is False
 
 
 def test_engagement_check_catches_a_mismatch():

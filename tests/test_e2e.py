@@ -141,3 +141,20 @@ def test_torch_compile_trains_and_saves(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # no torch.compile prefixes in the saved keys
+
+
+def test_bf16_trains_close_to_fp32_and_saves_fp32_weights(tmp_path):
+    """bf16 autocast (with the fp32 copy of the logits dropped, runner/accel.py) follows
+    the fp32 losses to bf16's precision, evaluates, and saves full-precision weights."""
+    from conftest import MICRO
+    from transformers import AutoModelForCausalLM
+
+    short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]
+    metrics = train_run(tmp_path / "run", [*short, "precision=bf16"])
+    golden = json.loads(GOLDEN.read_text())["losses"][:3]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert losses == pytest.approx(golden, abs=0.05) and losses != pytest.approx(golden, abs=1e-6)
+    final = [m for m in metrics if "eval_loss" in m][-1]
+    assert math.isfinite(final["eval_loss"]) and 0 < final["eval_accuracy"] < 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert next(model.parameters()).dtype == torch.float32
