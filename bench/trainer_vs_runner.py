@@ -405,16 +405,25 @@ def compare(args: argparse.Namespace, work: Path) -> None:
 def compare_bf16(args: argparse.Namespace, work: Path) -> None:
     print(_header(args).replace(", fp32,", ","), flush=True)
     extra = ("model.compile=true",) if args.compile else ()
-    print(f"runner twice: precision=fp32, then precision=bf16{' (model.compile=true)' if args.compile else ''} ...", flush=True)
-    fp32 = run_runner(args.steps, work, "runner_fp32", "fp32", extra)
-    bf16 = run_runner(args.steps, work, "runner_bf16", "bf16", extra)
+    compiled = " (model.compile=true)" if args.compile else ""
+    runs: dict[str, list[dict[str, Any]]] = {"fp32": [], "bf16": []}
+    for r in range(args.repeats):
+        print(f"round {r + 1} of {args.repeats}: runner with precision=fp32, then precision=bf16{compiled} ...", flush=True)
+        for precision in runs:
+            runs[precision].append(run_runner(args.steps, work, f"runner_{precision}_{r}", precision, extra))
     print()
-    print(f"{'runner precision':<16} | {'steady tokens/s':>15} | {'time to first step (s)':>22}")
-    print(f"{'-' * 16}-|-{'-' * 15}-|-{'-' * 22}")
-    for name, r in (("fp32", fp32), ("bf16", bf16)):
-        print(f"{name:<16} | {r['tokens_per_s']:>15,.0f} | {r['first_step_s']:>22.2f}")
-    ratio = bf16["tokens_per_s"] / fp32["tokens_per_s"]
-    print(f"runner bf16 / fp32 tokens/s: {ratio:.2f}x   goal >= {GOALS['bf16_over_fp32']:.1f}x: "
+    if args.repeats > 1:
+        for precision, v in runs.items():
+            print(f"steady tokens/s of every round, {precision}: " + ", ".join(f"{x['tokens_per_s']:,.0f}" for x in v))
+        print(f"(table: the median round of {args.repeats})")
+    best = {k: _median_run(v) for k, v in runs.items()}
+    width = 16 + len(compiled)
+    print(f"{'runner precision':<{width}} | {'steady tokens/s':>15} | {'time to first step (s)':>22}")
+    print(f"{'-' * width}-|-{'-' * 15}-|-{'-' * 22}")
+    for name, r in best.items():
+        print(f"{name + compiled:<{width}} | {r['tokens_per_s']:>15,.0f} | {r['first_step_s']:>22.2f}")
+    ratio = best["bf16"]["tokens_per_s"] / best["fp32"]["tokens_per_s"]
+    print(f"runner bf16 / fp32 tokens/s{compiled}: {ratio:.2f}x   goal >= {GOALS['bf16_over_fp32']:.1f}x: "
           f"{_mark(ratio >= GOALS['bf16_over_fp32'])}")
 
 
