@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.spec import RunSpec, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,48 @@ def steps_per_epoch(batches_per_rank: int, grad_accum_steps: int) -> int:
 
 def total_steps(max_steps: int | None, num_epochs: float, per_epoch: int) -> int:
     return max_steps if max_steps is not None else max(1, math.ceil(num_epochs * per_epoch))
+
+
+def global_batch(train: "TrainSpec", world_size: int) -> int:
+    """Sequences per optimizer step: per device x processes x accumulation."""
+    return train.per_device_batch_size * world_size * train.grad_accum_steps
+
+
+def plan_run(
+    spec: "RunSpec",
+    world_size: int,
+    *,
+    batches_per_rank: int,
+    block_size: int,
+    train_blocks: int,
+    eval_blocks: int,
+    parameters: int,
+    precision: str,
+    device: str,
+) -> RunPlan:
+    """The plan from the spec and what only the caller knows: the worker's prepared
+    loader and model, or the dry run's estimates of them."""
+    from runner.optim import effective_lr
+
+    t = spec.train
+    per_epoch = steps_per_epoch(batches_per_rank, t.grad_accum_steps)
+    return RunPlan(
+        world_size=world_size,
+        per_device_batch_size=t.per_device_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        block_size=block_size,
+        steps_per_epoch=per_epoch,
+        total_steps=total_steps(t.max_steps, t.num_epochs, per_epoch),
+        train_blocks=train_blocks,
+        eval_blocks=eval_blocks,
+        parameters=parameters,
+        strategy=spec.strategy.kind.value,
+        precision=precision,
+        device=device,
+        lr=spec.optim.lr,
+        effective_lr=effective_lr(spec.optim, global_batch(t, world_size)),
+        lr_rule=spec.optim.scale_lr.value,
+    )
 
 
 def banner(plan: RunPlan, run_dir: str) -> str:

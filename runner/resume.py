@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from runner.checkpoint import CHECKPOINTS_DIRNAME, complete_checkpoints, is_complete
+from runner.checkpoint import CHECKPOINTS_DIRNAME, is_complete, latest_checkpoint
 from runner.errors import UserError
+from runner.plan import global_batch
 from runner.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 
 HARMLESS = (
@@ -32,8 +33,7 @@ def compare(old: RunSpec, new: RunSpec, old_world: int, new_world: int) -> tuple
                                               "launch.nproc_per_node", "launch.nnodes"):
             continue
         (harmless if key in HARMLESS else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    old_batch = old.train.per_device_batch_size * old_world * old.train.grad_accum_steps
-    new_batch = new.train.per_device_batch_size * new_world * new.train.grad_accum_steps
+    old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
         breaking.append(f"global batch: {old_batch} -> {new_batch}")
     if old_world != new_world and old.strategy.kind.value != "ddp":
@@ -51,10 +51,7 @@ def resolve(spec: RunSpec, run_dir: Path) -> Optional[Path]:
         if not is_complete(path):
             raise UserError(f"resume={spec.resume}: not a complete checkpoint (no COMPLETE.json marker in it).")
         return path
-    found = complete_checkpoints(run_dir)
-    if found:
-        return found[-1]
-    return None
+    return latest_checkpoint(run_dir)
 
 
 def describe_fresh_start(run_dir: Path) -> str:

@@ -118,7 +118,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.metrics import peak_memory_mb, summary_table, write_results
     from runner.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
     from runner.optim import build_optimizer, build_scheduler, effective_lr
-    from runner.plan import RunPlan, banner, steps_per_epoch, total_steps
+    from runner.plan import banner, global_batch, plan_run
     from runner.plots import PLOT_FILENAME, plot_loss_curves
     from runner.checkpoint import checkpoint_dir, load_checkpoint
     from runner.flops import model_flops_per_token, peak_flops
@@ -156,31 +156,23 @@ def train(spec: RunSpec) -> dict[str, Any]:
         log.info(f"data: {state} {data.cache_path} in {data.seconds:.1f}s")
 
     train_loader, eval_loader, sampler = _loaders(spec, data)
-    global_batch = t.per_device_batch_size * accelerator.num_processes * t.grad_accum_steps
-    lr = effective_lr(spec.optim, global_batch)
+    lr = effective_lr(spec.optim, global_batch(t, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
     check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
 
-    per_epoch = steps_per_epoch(len(train_loader), t.grad_accum_steps)
-    plan = RunPlan(
-        world_size=world_size,
-        per_device_batch_size=t.per_device_batch_size,
-        grad_accum_steps=t.grad_accum_steps,
+    plan = plan_run(
+        spec,
+        world_size,
+        batches_per_rank=len(train_loader),
         block_size=block_size,
-        steps_per_epoch=per_epoch,
-        total_steps=total_steps(t.max_steps, t.num_epochs, per_epoch),
         train_blocks=len(data.train),
         eval_blocks=len(data.validation),
         parameters=count_parameters(accelerator.unwrap_model(model)),
-        strategy=spec.strategy.kind.value,
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
-        lr=spec.optim.lr,
-        effective_lr=lr,
-        lr_rule=spec.optim.scale_lr.value,
     )
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
