@@ -348,6 +348,19 @@ def _goal_lines(runner: dict[str, Any], trainer: dict[str, Any], plain: dict[str
     ]
 
 
+def _section(title: str, runner: dict[str, Any], trainer: dict[str, Any], plain: dict[str, Any], label: str) -> None:
+    """One comparison: its title, the table of the three frameworks, the goal lines."""
+    print()
+    print(title)
+    print(_table([
+        (f"Trainer (run_clm, {trainer['extra']['optim']})", trainer),
+        ("runner", runner),
+        ("plain PyTorch loop", plain),
+    ], runner))  # fmt: skip
+    for line in _goal_lines(runner, trainer, plain, label):
+        print(line)
+
+
 def compare(args: argparse.Namespace, work: Path) -> None:
     print(_header(args), flush=True)
     n = args.steps
@@ -373,16 +386,11 @@ def compare(args: argparse.Namespace, work: Path) -> None:
             print(f"  {k:<14} " + ", ".join(f"{x['tokens_per_s']:,.0f}" for x in v))
         print(f"(tables: each framework's median round of {args.repeats})")
 
-    print()
-    print("A. Same host-memory settings for all: Trainer and the plain loop get, as environment variables, what")
-    print("   runner sets for itself: " + " ".join(f"{k}={v}" for k, v in TUNED_ENV.items()) + ".")
-    print(_table([
-        (f"Trainer (run_clm, {best['trainer_tuned']['extra']['optim']})", best["trainer_tuned"]),
-        ("runner", runner),
-        ("plain PyTorch loop", best["plain_tuned"]),
-    ], runner))  # fmt: skip
-    for line in _goal_lines(runner, best["trainer_tuned"], best["plain_tuned"], ""):
-        print(line)
+    _section(
+        "A. Same host-memory settings for all: Trainer and the plain loop get, as environment variables, what\n"
+        "   runner sets for itself: " + " ".join(f"{k}={v}" for k, v in TUNED_ENV.items()) + ".",
+        runner, best["trainer_tuned"], best["plain_tuned"], "",
+    )
     data_s = runner["data_seconds"]
     print(f"runner data stage (warm cache): {data_s:.2f} s   goal <= {GOALS['data_warm_s']:.0f} s: "
           f"{_mark(data_s <= GOALS['data_warm_s'])}")
@@ -390,16 +398,11 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     print(f"import floor: {floor:.2f} s from spawn to the end of `{IMPORT_FLOOR.split('; import time')[0]}` "
           f"alone = {floor / best['trainer_tuned']['first_step_s']:.2f}x Trainer's time to first step")
 
-    print()
-    print("B. As each is run out of the box: Trainer and the plain loop with glibc's and torch's defaults")
-    print("   (HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 for all, as in A).")
-    print(_table([
-        (f"Trainer (run_clm, {best['trainer']['extra']['optim']})", best["trainer"]),
-        ("runner", runner),
-        ("plain PyTorch loop", best["plain"]),
-    ], runner))  # fmt: skip
-    for line in _goal_lines(runner, best["trainer"], best["plain"], " (out of the box)"):
-        print(line)
+    _section(
+        "B. As each is run out of the box: Trainer and the plain loop with glibc's and torch's defaults\n"
+        "   (HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 for all, as in A).",
+        runner, best["trainer"], best["plain"], " (out of the box)",
+    )
 
 
 def compare_bf16(args: argparse.Namespace, work: Path) -> None:
