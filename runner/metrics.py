@@ -122,8 +122,11 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         ("train_mfu", "MFU"),
         ("peak_memory_mb", "peak memory (MB/rank)"),
     ]
-    rows = [(label, _fmt(results[key])) for key, label in keys if results.get(key) is not None]
-    rows = [(label, f"{100 * results['train_mfu']:.2f}%" if label == "MFU" else value) for label, value in rows]
+    rows = [
+        (label, f"{100 * results[key]:.2f}%" if key == "train_mfu" else _fmt(results[key]))
+        for key, label in keys
+        if results.get(key) is not None
+    ]
     width = max(len(label) for label, _ in rows)
     value_width = max(len(v) for _, v in rows)
     rule = "-" * (width + value_width + 5)
