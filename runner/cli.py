@@ -100,7 +100,7 @@ def start(
         )
     resuming = False
     if spec.resume is not None:
-        checkpoint, notes = check_resume(spec, run_dir.resolve(), world)
+        checkpoint, notes = check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train))
         for note in notes:
             sys.stderr.write(f"runner: {note}\n")
         resuming = checkpoint is not None or spec.resume == "auto"

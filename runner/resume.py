@@ -24,20 +24,57 @@ HARMLESS = (
 )
 
 
-def compare(old: RunSpec, new: RunSpec, old_world: int, new_world: int) -> tuple[list[str], list[str]]:
+LAYOUT_KEYS = ("train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",
+               "launch.nproc_per_node", "launch.nnodes")
+
+
+def _layout(spec: RunSpec, world: int) -> tuple[int, int, int]:
+    return world, spec.train.per_device_batch_size, spec.train.grad_accum_steps
+
+
+def layout_change_problems(
+    old: RunSpec, new: RunSpec, old_world: int, new_world: int, train_samples: Optional[int], marker: dict
+) -> list[str]:
+    """Why a change of layout (processes x per-device batch x accumulation) at the same
+    global batch cannot continue at the exact sample; empty when it can."""
+    before, after = _layout(old, old_world), _layout(new, new_world)
+    if before == after:
+        return []
+    shown = f"{'x'.join(map(str, before))} -> {'x'.join(map(str, after))} (processes x per-device batch x accumulation)"
+    problems = []
+    if old_world != new_world and old.strategy.kind.value != "ddp":
+        problems.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO shards are per rank)")
+    if "samples_in_epoch" not in marker:
+        problems.append(f"layout {shown}: this checkpoint predates sample-exact positions; resume it in its own layout")
+    elif int(marker["samples_in_epoch"]) % (new_world * new.train.per_device_batch_size):
+        problems.append(f"layout {shown}: the checkpoint's position ({marker['samples_in_epoch']} samples into the "
+                        "epoch) is not a whole number of this layout's micro-batches")
+    batch = global_batch(new.train, new_world)
+    if train_samples is not None and train_samples % batch:
+        # Accelerate pads and splits an epoch's short last step per layout: the steps
+        # after the first epoch end would not be the ones the run would have taken.
+        problems.append(f"layout {shown}: the {train_samples} training samples do not divide into global batches of "
+                        f"{batch}, and each layout splits the short last step of an epoch its own way "
+                        "(set data.max_train_samples to a multiple of the global batch, or keep the layout)")
+    return problems
+
+
+def compare(
+    old: RunSpec, new: RunSpec, old_world: int, new_world: int,
+    train_samples: Optional[int] = None, marker: Optional[dict] = None,
+) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between the checkpoint's spec and this one."""
     a, b = flat_spec_dict(old), flat_spec_dict(new)
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key) or key in ("train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",
-                                              "launch.nproc_per_node", "launch.nnodes"):
+        if a.get(key) == b.get(key) or key in LAYOUT_KEYS:
             continue
         (harmless if key in HARMLESS else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
         breaking.append(f"global batch: {old_batch} -> {new_batch}")
-    if old_world != new_world and old.strategy.kind.value != "ddp":
-        breaking.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO shards are per rank)")
+    else:
+        breaking += layout_change_problems(old, new, old_world, new_world, train_samples, marker or {})
     return breaking, harmless
 
 
@@ -61,7 +98,9 @@ def describe_fresh_start(run_dir: Path) -> str:
     return f"resume=auto: no checkpoint in {run_dir}; starting fresh."
 
 
-def check_resume(spec: RunSpec, run_dir: Path, world_size: int) -> tuple[Optional[Path], list[str]]:
+def check_resume(
+    spec: RunSpec, run_dir: Path, world_size: int, train_samples: Optional[int] = None
+) -> tuple[Optional[Path], list[str]]:
     """Launcher-side: the checkpoint and notes to print, or a UserError naming what changed."""
     path = resolve(spec, run_dir)
     if path is None:
@@ -76,7 +115,7 @@ def check_resume(spec: RunSpec, run_dir: Path, world_size: int) -> tuple[Optiona
     from runner.checkpoint import read_marker
 
     marker = read_marker(path)
-    breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size)
+    breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, train_samples, marker)
     if breaking:
         raise UserError(
             f"cannot resume {path}: these changes would break the run's math: {'; '.join(breaking)}. "

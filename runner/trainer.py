@@ -45,7 +45,11 @@ class NonFiniteLoss(RuntimeError):
 class LoopState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch (the data position)
+    # The data position: samples of this epoch's global order already trained on. In
+    # samples, not per-rank batches, so a resume in another layout at the same global
+    # batch continues at the same sample (Accelerate hands rank r batches r, r+N, ...).
+    samples_in_epoch: int = 0
+    start_step: int = 0  # the step this process started from (> 0 after a resume)
     loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
     loss_count: int = 0
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
@@ -114,7 +118,7 @@ class Trainer:
         try:
             while s.step < plan.total_steps:
                 for batch in self._epoch_batches():
-                    s.batches_in_epoch += 1
+                    s.samples_in_epoch += self.samples_per_batch
                     if not self.train_step(batch):
                         continue
                     window_steps += 1
@@ -131,7 +135,7 @@ class Trainer:
                     if s.step >= plan.total_steps:
                         break
                 else:
-                    s.epoch, s.batches_in_epoch = s.epoch + 1, 0
+                    s.epoch, s.samples_in_epoch = s.epoch + 1, 0
         finally:
             self.stop.restore()
             progress.close()
@@ -142,8 +146,9 @@ class Trainer:
     def _epoch_batches(self) -> Any:
         """This epoch's batches from the current data position (exact after a resume)."""
         loader = self.train_loader
-        if self.state.batches_in_epoch:
-            loader = self.accelerator.skip_first_batches(self.train_loader, self.state.batches_in_epoch)
+        done = self.batches_done_in_epoch()
+        if done:
+            loader = self.accelerator.skip_first_batches(self.train_loader, done)
         # Accelerate's loaders set their sampler's epoch from their own pass count at
         # each __iter__; a resumed (or skipping) loader must be told the real epoch.
         if hasattr(loader, "set_epoch"):
@@ -151,6 +156,17 @@ class Trainer:
         if self.sampler is not None:
             self.sampler.set_epoch(self.state.epoch)
         return loader
+
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples of the global order one micro-batch round takes, over all ranks."""
+        return self.plan.world_size * self.plan.per_device_batch_size
+
+    def batches_done_in_epoch(self) -> int:
+        """This rank's micro-batches already consumed in the epoch, from the sample position."""
+        if self.state.samples_in_epoch >= self.plan.train_blocks:
+            return len(self.train_loader)  # the epoch is over; the loop moves to the next
+        return self.state.samples_in_epoch // self.samples_per_batch
 
     def _stop_if_signalled(self) -> None:
         signum = self.stop.agreed(self.accelerator)
@@ -164,15 +180,20 @@ class Trainer:
         return checkpoint_dir(self.run_dir, self.state.step)
 
     def save_checkpoint(self) -> Path:
-        s = self.state
-        pending = float(self.accelerator.reduce(s.loss_sum, reduction="mean").item()) if s.loss_sum is not None else 0.0
+        s, plan = self.state, self.plan
+        # Each rank's own running loss sum, so a resume inside a logging window closes
+        # that window with the very same numbers (a mean over ranks would round).
+        pending = torch.zeros(1, device=self.accelerator.device) if s.loss_sum is None else s.loss_sum.reshape(1)
+        pending_sums = [float(v) for v in self.accelerator.gather(pending.float()).cpu()]
         meta = {
             "epoch": s.epoch,
-            "batches_in_epoch": s.batches_in_epoch,
+            "samples_in_epoch": s.samples_in_epoch,
             "world_size": self.accelerator.num_processes,
+            "per_device_batch_size": plan.per_device_batch_size,
+            "grad_accum_steps": plan.grad_accum_steps,
             "total_loss": s.total_loss,
             "total_loss_steps": s.total_loss_steps,
-            "pending_loss_sum": pending,
+            "pending_loss_sums": pending_sums,
             "pending_loss_count": s.loss_count,
             "skipped_steps": s.skipped_steps,
         }
@@ -183,13 +204,30 @@ class Trainer:
 
     def restore(self, meta: dict[str, Any]) -> None:
         """Continue from a checkpoint's loop state (model and optimizer are already loaded)."""
-        s = self.state
-        s.step, s.epoch, s.batches_in_epoch = int(meta["step"]), int(meta["epoch"]), int(meta["batches_in_epoch"])
+        s, plan = self.state, self.plan
+        s.step, s.epoch = int(meta["step"]), int(meta["epoch"])
+        s.start_step = s.step
+        if "samples_in_epoch" in meta:
+            s.samples_in_epoch = int(meta["samples_in_epoch"])
+        else:  # checkpoints before the position was kept in samples: same layout only
+            s.samples_in_epoch = int(meta["batches_in_epoch"]) * self.samples_per_batch
         s.total_loss, s.total_loss_steps = float(meta["total_loss"]), int(meta["total_loss_steps"])
         s.skipped_steps = int(meta.get("skipped_steps", 0))
-        if meta.get("pending_loss_count"):
-            s.loss_count = int(meta["pending_loss_count"])
-            s.loss_sum = torch.tensor(float(meta["pending_loss_sum"]), device=self.accelerator.device)
+        count = int(meta.get("pending_loss_count", 0))
+        if count:
+            sums = meta.get("pending_loss_sums") or [float(meta["pending_loss_sum"])]
+            same_layout = (
+                len(sums) == plan.world_size
+                and int(meta.get("grad_accum_steps", plan.grad_accum_steps)) == plan.grad_accum_steps
+            )
+            if same_layout:  # this rank's own sum: the window closes bit-exactly
+                s.loss_count = count
+                s.loss_sum = torch.tensor(sums[self.accelerator.process_index], device=self.accelerator.device)
+            else:  # another layout: the window's mean micro-batch loss, over this layout's count
+                old_accum = int(meta.get("grad_accum_steps", 1))
+                s.loss_count = count // old_accum * plan.grad_accum_steps
+                mean = sum(sums) / len(sums) / count
+                s.loss_sum = torch.tensor(mean * s.loss_count, device=self.accelerator.device)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: dict[str, torch.Tensor]) -> bool:
@@ -250,16 +288,18 @@ class Trainer:
 
     def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
         """One metrics line: the window's loss and rates (read on the host only here and
-        in the per-step finite check)."""
+        in the per-step finite check). `window_steps` counts the steps this process ran
+        in the window (for the rates); after a resume inside a window the loss window
+        also holds the steps from before the checkpoint."""
         s, plan = self.state, self.plan
-        mean = self._close_loss_window(window_steps)
+        mean = self._close_loss_window(s.step - s.total_loss_steps)
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
         tokens_per_s = rate * plan.tokens_per_step
         device = self.accelerator.device
         memory = self.accelerator.gather(torch.tensor([[peak_memory_mb(device), current_memory_mb(device)]], device=device))
         record = {
             "step": s.step,
-            "epoch": round(s.epoch + s.batches_in_epoch / max(len(self.train_loader), 1), 4),
+            "epoch": round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
             "loss": mean,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
@@ -342,6 +382,10 @@ class Trainer:
             self._close_loss_window(s.step - s.total_loss_steps)
         train_loss = s.total_loss / s.total_loss_steps if s.total_loss_steps else math.nan
         samples = s.step * plan.global_batch_size
+        # Rates count only the steps this process ran, over the time it ran them: after
+        # a resume, the steps before the checkpoint took time this process never saw.
+        steps_run = s.step - s.start_step
+        samples_run = steps_run * plan.global_batch_size
         return {
             "epoch": round(s.step / max(plan.steps_per_epoch, 1), 4),
             "train_loss": train_loss,
@@ -349,9 +393,10 @@ class Trainer:
             "train_samples": samples,
             "train_steps": s.step,
             "train_tokens": samples * plan.block_size,
-            "train_samples_per_second": round(samples / runtime, 3),
-            "train_steps_per_second": round(s.step / runtime, 3),
-            "train_tokens_per_second": round(samples * plan.block_size / runtime, 1),
-            "train_mfu": self.mfu(samples * plan.block_size / runtime),
+            "resumed_from_step": s.start_step,
+            "train_samples_per_second": round(samples_run / runtime, 3),
+            "train_steps_per_second": round(steps_run / runtime, 3),
+            "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1),
+            "train_mfu": self.mfu(samples_run * plan.block_size / runtime),
             "first_step_time": s.first_step_time,
         }

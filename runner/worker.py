@@ -25,6 +25,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
     from torch.utils.data import DataLoader
 
     from runner.data import EpochSampler, collate
+    from runner.rng import loader_generator
 
     t = spec.train
     sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
@@ -35,6 +36,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
         drop_last=False,
+        generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/rng.py)
     )
     evaluation = DataLoader(
         data.validation,
@@ -42,6 +44,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         shuffle=False,
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
+        generator=loader_generator(t.seed),
     )
     return train, evaluation, sampler
 
@@ -78,7 +81,13 @@ def truncate_metrics(path: Path, step: int) -> None:
 
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except ValueError:  # a line torn by kill -9 mid-write
+            return False
+
+    keep = [line for line in path.read_text().splitlines() if line.strip() and kept(line)]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
@@ -120,6 +129,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.optim import build_optimizer, build_scheduler, effective_lr
     from runner.plan import banner, global_batch, plan_run
     from runner.plots import PLOT_FILENAME, plot_loss_curves
+    from runner.rng import seed_training_stream
     from runner.checkpoint import checkpoint_dir, load_checkpoint
     from runner.flops import model_flops_per_token, peak_flops
     from runner.signals import EXIT_CODES, Stopped
@@ -191,6 +201,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size),
         peak_flops=peak_flops(accelerator.device, spec.precision.kind.value) * accelerator.num_processes,
     )
+    # Each rank's random state: seeded here for the loop, saved with every checkpoint,
+    # and restored by load_checkpoint below, after all setup (see runner/rng.py).
+    seed_training_stream(t.seed)
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:
         meta = load_checkpoint(accelerator, resume_from)

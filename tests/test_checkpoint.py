@@ -16,8 +16,12 @@ from conftest import MICRO
 from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
 # 24 steps with a checkpoint every 4: long enough to interrupt, short enough for CI.
-RUN = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "data.max_train_samples"))] + [
-    "train.max_steps=24", "train.eval_every=0", "train.save_every=4", "data.max_train_samples=64",
+# GPT-2's dropout (0.1) stays on, as in every shipped recipe: a resume must continue
+# each rank's random stream, not only the weights and the data position.
+DROPOUT_ON = "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=64'"
+RUN = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "data.max_train_samples",
+                                             "model.config_overrides"))] + [
+    DROPOUT_ON, "train.max_steps=24", "train.eval_every=0", "train.save_every=4", "data.max_train_samples=64",
 ]
 
 
@@ -30,8 +34,16 @@ def resume_cmd(run_dir: Path, how: str = "auto") -> list[str]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss by step; each step must be logged exactly once."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -47,6 +59,18 @@ def kill_9_after_checkpoint(command: list[str], run_dir: Path, step: int = 8) ->
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything
+    proc.wait()
+
+
+def kill_9_at_step(command: list[str], run_dir: Path, step: int, timeout: float = 300) -> None:
+    """Start a run and SIGKILL it once it has logged `step`: between checkpoints, not at one."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + timeout
+    while not any(s >= step for s in logged_steps(run_dir)):
+        assert proc.poll() is None, f"the run ended before step {step}:\n{proc.stderr.read() if proc.stderr else ''}"
+        assert time.time() < deadline, f"timed out waiting for step {step}"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -79,7 +103,52 @@ def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     kill_9_after_checkpoint(cmd(run_dir), run_dir)
     done = resume_ok(run_dir)
     assert "resuming from" in done.stderr
-    assert losses(run_dir) == uninterrupted  # every step, bit for bit
+    assert losses(run_dir) == uninterrupted  # every step, bit for bit, dropout on
+
+
+def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
+    """Logged every 3 steps, saved every 4: the step-8 checkpoint falls inside the 7-9
+    window, and the kill lands after step 10, two steps past the checkpoint."""
+    full = tmp_path / "full"
+    done = subprocess.run(cmd(full, "train.log_every=3"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    kill_9_at_step(cmd(run_dir, "train.log_every=3"), run_dir, step=9)  # logged 9, checkpoint 8 complete
+    resume_ok(run_dir)
+    assert losses(run_dir) == losses(full)
+    assert sorted(losses(run_dir)) == list(range(3, 25, 3))
+    resumed, reference = (json.loads((d / "all_results.json").read_text()) for d in (run_dir, full))
+    for key in ("train_loss", "eval_loss", "perplexity", "eval_accuracy"):
+        assert resumed[key] == reference[key], key
+
+
+def test_numbers_do_not_depend_on_what_setup_drew(tmp_path):
+    """The first run on a machine probes its peak FLOP/s with random matrices, a second
+    run reads the cached figure: setup draws differ, dropout's stream must not."""
+    env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / "cache")}
+    seen = []
+    for name in ("cold", "warm"):
+        done = subprocess.run(cmd(tmp_path / name, "train.max_steps=8", "train.save_every=0"),
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen.append((tmp_path / "cache" / "peak_flops.json").stat().st_mtime_ns)
+        if name == "cold":
+            time.sleep(0.05)
+    assert seen[0] == seen[1]  # the warm run did not probe
+    assert losses(tmp_path / "warm") == losses(tmp_path / "cold")
+
+
+def test_rates_after_a_resume_count_only_this_process(tmp_path):
+    run_dir = tmp_path / "run"
+    kill_9_after_checkpoint(cmd(run_dir), run_dir, step=16)
+    resume_ok(run_dir)
+    results = json.loads((run_dir / "all_results.json").read_text())
+    assert results["resumed_from_step"] == 16 and results["train_steps"] == 24
+    steps_run, batch, block = 24 - 16, 4, 32
+    runtime = results["train_runtime"]
+    assert results["train_steps_per_second"] * runtime == pytest.approx(steps_run, rel=0.01)
+    assert results["train_samples_per_second"] * runtime == pytest.approx(steps_run * batch, rel=0.01)
+    assert results["train_tokens_per_second"] * runtime == pytest.approx(steps_run * batch * block, rel=0.01)
 
 
 def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterrupted, tmp_path):
@@ -150,3 +219,17 @@ def test_nan_loss_stops_before_the_step_and_names_it(tmp_path):
     assert "non-finite loss or gradient norm at step" in done.stderr
     assert "last good checkpoint" in done.stderr or "no checkpoint yet" in done.stderr
     assert not (run_dir / "all_results.json").exists()
+
+
+def test_layout_change_that_cannot_continue_exactly_is_refused(tmp_path):
+    """62 samples at a global batch of 4 leave a short last step each epoch, which each
+    layout splits its own way: a change of layout is refused, naming why and the fix."""
+    run_dir = tmp_path / "run"
+    short = ["data.max_train_samples=62", "train.save_every=2"]
+    done = subprocess.run(cmd(run_dir, "train.max_steps=2", *short), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    other_layout = ["train.per_device_batch_size=2", "train.grad_accum_steps=2", "resume=auto"]
+    bad = subprocess.run(cmd(run_dir, "train.max_steps=4", *short, *other_layout), capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "1x4x1 -> 1x2x2" in bad.stderr and "62 training samples" in bad.stderr
+    assert "data.max_train_samples" in bad.stderr and "Traceback" not in bad.stderr
