@@ -15,13 +15,19 @@ import pytest
 import torch
 
 from conftest import MICRO, patch_train_step
+from runner.parity import parity_problems, step_records
 
-pytestmark = pytest.mark.slow
+# The first test also pays for the module fixture: seven multi-process runs.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
 # 13 eval blocks: 2 ranks x eval batch 4 pad the last batch, which gather_for_metrics must drop.
-BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every", "data.max_eval_samples"))] + [
-    "train.eval_every=0", "data.max_eval_samples=13",
+# 32 training blocks at a global batch of 8 make 4 steps an epoch: 12 steps cross two
+# epoch boundaries (new shuffles, loaders restarted). Dropout is off (MICRO).
+STEPS = 12
+BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every", "data.max_eval_samples",
+                                             "data.max_train_samples", "train.max_steps"))] + [
+    "train.eval_every=0", "data.max_eval_samples=13", "data.max_train_samples=32", f"train.max_steps={STEPS}",
 ]
 LAYOUTS = {
     "single_8": ["train.per_device_batch_size=8"],
@@ -29,6 +35,8 @@ LAYOUTS = {
     "ddp_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
     "zero2_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero2"],
     "zero3_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero3"],
+    "zero2_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=zero2"],
+    "zero3_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=zero3"],
 }
 
 
@@ -56,10 +64,34 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single_8"])
-def test_losses_agree_with_one_process(runs, name):
-    reference = losses(runs["single_8"])
-    assert len(reference) == 8
-    assert losses(runs[name]) == pytest.approx(reference, abs=1e-4)
+def test_loss_and_grad_norm_agree_with_one_process_at_every_step(runs, name):
+    """Loss within 1e-4 and gradient norm within 0.1% at each of 12 steps, over two epoch ends."""
+    reference = step_records(runs["single_8"] / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] for r in reference.values())
+    assert parity_problems(reference, step_records(runs[name] / "metrics.jsonl")) == []
+
+
+def test_a_gradient_off_by_the_accumulation_factor_fails_the_comparison(runs, tmp_path):
+    """Skip Accelerate's division of the loss by the accumulation steps (a test-only patch):
+    the gradients double. The comparison above must see it."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import accelerate\n"
+        "original = accelerate.Accelerator.backward\n"
+        "def backward(self, loss, **kwargs):\n"
+        "    return original(self, loss * self.gradient_accumulation_steps, **kwargs)\n"
+        "accelerate.Accelerator.backward = backward\n"
+    )
+    done = runner(tmp_path / "broken", *LAYOUTS["single_4x2"], env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    broken = step_records(tmp_path / "broken" / "metrics.jsonl")
+    reference = step_records(runs["single_8"] / "metrics.jsonl")
+    problems = parity_problems(reference, broken)
+    assert any("grad_norm" in p for p in problems), problems
+    ratios = [broken[k]["grad_norm"] / reference[k]["grad_norm"] for k in (1, 2)]
+    assert ratios == pytest.approx([2.0, 2.0], rel=1e-3)  # steps 1-2 still share the weights (lr 0 at step 1)
 
 
 @pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
