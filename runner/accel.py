@@ -111,6 +111,63 @@ def check_engaged(accelerator: "Accelerator", model: Any, strategy: StrategySpec
 
 
 
+def backward(accelerator: "Accelerator", loss: Any) -> None:
+    """Accelerate's backward without DeepSpeed's optimizer step.
+
+    Under DeepSpeed, `accelerator.backward` also runs `engine.step()` at the end of an
+    accumulation window, so anything checked after it (the non-finite guard) would be
+    checked after the update. Here the engine only runs backward, as Accelerate's
+    wrapper does (accumulation boundary first); `optimizer_step` then steps it.
+    """
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        accelerator.backward(loss)
+        return
+    wrapped.engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
+    wrapped.engine.backward(loss)
+
+
+def optimizer_step(accelerator: "Accelerator", optimizer: Any) -> None:
+    """The optimizer step of an accumulation window (called only when it closes)."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        optimizer.step()
+    else:
+        wrapped.engine.step()  # clips (gradient_clipping), steps or skips on overflow, zeroes
+        optimizer.step()  # Accelerate's DeepSpeed wrapper: a no-op, but the lr scheduler sees its step
+
+
+def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: float) -> Any:
+    """The global gradient norm before the optimizer step (a 0-d tensor; not read on the host).
+
+    Clips to `max_grad_norm` when it is > 0. Under DDP the gradients are already
+    all-reduced, so the local norm is the global one; under fp16 they are unscaled first.
+    Under DeepSpeed each rank holds a partition: the ZeRO optimizer's own norm (what its
+    step computes again before clipping) all-reduces the partitions' norms. DeepSpeed
+    reports an inf/NaN norm as -1; it is returned as inf.
+    """
+    import math
+
+    import torch
+
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        zero = wrapped.engine.optimizer
+        if hasattr(zero, "scaled_global_norm"):  # ZeRO-1/2
+            scaled = zero.scaled_global_norm()
+        else:  # ZeRO-3
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            scaled = combine_grad_norm_groups(zero._get_norm_groups())
+        scaled = torch.as_tensor(scaled, dtype=torch.float32)
+        return torch.where(scaled < 0, torch.full_like(scaled, math.inf), scaled / float(zero.loss_scale))
+    if max_grad_norm > 0:
+        return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    accelerator.unscale_gradients()  # fp16: the true gradients' norm; a no-op otherwise
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+
 def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
     """Keep Accelerate's autocast on the forward but drop its cast of every output to fp32.
 

@@ -221,6 +221,12 @@ class StrategySpec:
 class PrecisionSpec:
     kind: PrecisionKind = PrecisionKind.fp32
     """fp32 | bf16 (autocast; CPU or Ampere+ GPU) | fp16 (autocast + loss scaling, GPU only)."""
+    max_consecutive_skipped_steps: int = 25
+    """fp16: stop the run (exit 3) after this many optimizer steps in a row were skipped on
+    overflow (inf/NaN gradients at the current loss scale; each skip halves the scale). A
+    healthy run skips a few at the start while the scale settles (2^16 halved 25 times is
+    below 1e-2); more in a row means the gradients are non-finite at any scale. fp32 and
+    bf16 never skip: a non-finite gradient stops them at once. >= 1."""
 
 
 @dataclass

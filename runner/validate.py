@@ -48,6 +48,7 @@ def check_numbers(spec: RunSpec) -> list[str]:
             f"optim.scale_lr={spec.optim.scale_lr.value} needs the batch the lr was tuned at: "
             "set optim.reference_global_batch=<global batch>."
         )
+    _positive(p, spec.precision.max_consecutive_skipped_steps, "precision.max_consecutive_skipped_steps")
     _positive(p, spec.schedule.warmup_steps, "schedule.warmup_steps", allow_zero=True)
     if not 0.0 <= spec.schedule.warmup_ratio < 1.0:
         p.append(f"schedule.warmup_ratio={spec.schedule.warmup_ratio} must be in [0, 1).")

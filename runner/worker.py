@@ -182,6 +182,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     trainer = Trainer(
         accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
         max_grad_norm=spec.optim.max_grad_norm,
+        max_consecutive_skipped_steps=spec.precision.max_consecutive_skipped_steps,
         log_every=t.log_every,
         eval_every=t.eval_every,
         save_every=t.save_every,
