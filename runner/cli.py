@@ -71,7 +71,7 @@ def start(
     from runner.accelerate_config import apply_accelerate_config
     from runner.launch import launch, world_size
     from runner.resume import check_resume
-    from runner.rundir import freeze, prepare_run_dir
+    from runner.rundir import continues_in_place, freeze, prepare_run_dir
     from runner.signals import EXIT_CODES
     from runner.spec import StrategyKind
     from runner.validate import check_blocks, validate
@@ -98,18 +98,21 @@ def start(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
             "(the same on every node's command line)."
         )
-    resuming = False
-    if spec.resume is not None:
-        checkpoint, notes = check_resume(spec, run_dir.resolve(), world)
-        for note in notes:
-            sys.stderr.write(f"runner: {note}\n")
-        resuming = checkpoint is not None or spec.resume == "auto"
+    checkpoint, notes = check_resume(spec, run_dir.resolve(), world) if spec.resume is not None else (None, [])
     if spec.launch.node_rank > 0:
         # Node 0 owns the run folder; this node's workers only need the spec.
         spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
     else:
-        prepare_run_dir(run_dir, overwrite, resuming=resuming)
+        # Only a resume from this folder's own checkpoint may write beside its results.
+        continuing = continues_in_place(run_dir, checkpoint)
+        why = ""
+        if spec.resume is not None and not continuing:
+            why = "; resume=auto found no checkpoint in it to continue from" if checkpoint is None else (
+                f"; resume={spec.resume} is another folder's checkpoint")
+        prepare_run_dir(run_dir, overwrite, continuing=continuing, why=why)
         spec_path = freeze(spec, run_dir, composed, overrides)
+    for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
+        sys.stderr.write(f"runner: {note}\n")
     try:
         launch(spec, spec_path)
     except SignalException as err:
