@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.spec import PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -86,29 +86,75 @@ def describe(accelerator: "Accelerator") -> dict[str, Any]:
     }
 
 
-def check_engaged(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec, world_size: int) -> None:
-    """Fail loudly when the prepared objects are not what the spec asked for."""
+def _innermost_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under Accelerate's wrapper and, under DeepSpeed, ZeRO's."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # AcceleratedOptimizer, DeepSpeed's wrapper, its ZeRO optimizer
+        inner = inner.optimizer
+    return inner
+
+
+def expected_optimizer(strategy: StrategySpec, fused: bool) -> str:
+    """The optimizer the run will step: Accelerate swaps torch's AdamW for DeepSpeedCPUAdam
+    under ZeRO optimizer offload (the update runs on the CPU; optim.fused does not apply)."""
+    if is_zero(strategy) and strategy.offload_optimizer.value != "none":
+        return "DeepSpeedCPUAdam"
+    return f"AdamW ({'fused' if fused else 'foreach'})"
+
+
+def engaged_optimizer(optimizer: Any) -> str:
+    inner = _innermost_optimizer(optimizer)
+    name = type(inner).__name__
+    if name == "AdamW":
+        return f"AdamW ({'fused' if inner.param_groups[0].get('fused') else 'foreach'})"
+    return name
+
+
+def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: RunSpec, planned_world_size: int) -> str:
+    """Fail loudly when what Accelerate / DeepSpeed built is not what the launcher planned:
+    world size, strategy and ZeRO stage, offload devices, gradient accumulation (which an
+    outer `accelerate launch` can override through ACCELERATE_* variables), mixed
+    precision, and the optimizer class in use. Returns that optimizer, for the banner."""
     from accelerate.utils import DistributedType
 
+    strategy, precision, accum = spec.strategy, spec.precision, spec.train.grad_accum_steps
     problems: list[str] = []
-    if accelerator.num_processes != world_size:
-        problems.append(f"world size is {accelerator.num_processes}, expected {world_size}")
+    if accelerator.num_processes != planned_world_size:
+        problems.append(f"world size is {accelerator.num_processes}, the launcher planned {planned_world_size}")
     if accelerator.mixed_precision != MIXED_PRECISION[precision.kind]:
         problems.append(f"mixed precision is {accelerator.mixed_precision}, expected {MIXED_PRECISION[precision.kind]}")
+    if accelerator.gradient_accumulation_steps != accum:
+        problems.append(f"gradient accumulation is {accelerator.gradient_accumulation_steps} steps, expected {accum}")
     kind = accelerator.state.distributed_type
     if is_zero(strategy):
         stage = ZERO_STAGE[strategy.kind]
         engaged = getattr(model, "zero_optimization_stage", None)
         if kind != DistributedType.DEEPSPEED or not callable(engaged) or engaged() != stage:
             problems.append(f"expected a DeepSpeed ZeRO-{stage} engine, got {type(model).__name__} ({kind})")
-    elif world_size > 1:
+        else:
+            if model.gradient_accumulation_steps() != accum:
+                problems.append(f"DeepSpeed accumulates {model.gradient_accumulation_steps()} steps, expected {accum}")
+            for name, wanted, config in (
+                ("offload_optimizer", strategy.offload_optimizer.value, model.zero_offload_optimizer()),
+                ("offload_params", strategy.offload_params.value, model.zero_offload_param()),
+            ):
+                device = getattr(getattr(config, "device", None), "value", None) or "none"
+                if device != wanted:
+                    problems.append(f"DeepSpeed offloads {name} to {device}, expected {wanted}")
+    elif planned_world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(model, DistributedDataParallel):
-            problems.append(f"expected DistributedDataParallel, got {type(model).__name__} ({kind})")
+        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        if not isinstance(inner, DistributedDataParallel):
+            problems.append(f"expected DistributedDataParallel, got {type(inner).__name__} ({kind})")
+    if spec.model.compile and not is_zero(strategy) and not hasattr(model, "_orig_mod"):
+        problems.append(f"model.compile=true but the model is not compiled ({type(model).__name__})")
+    in_use, wanted_optimizer = engaged_optimizer(optimizer), expected_optimizer(strategy, spec.optim.fused)
+    if in_use != wanted_optimizer:
+        problems.append(f"the optimizer in use is {in_use}, expected {wanted_optimizer}")
     if problems:
         raise EngagementError("strategy not engaged as specified: " + "; ".join(problems))
-
+    return in_use
 
 
 def backward(accelerator: "Accelerator", loss: Any) -> None:

@@ -34,6 +34,17 @@ def world_size(launch: LaunchSpec) -> int:
     return joined.world_size if joined else resolve_nproc(launch) * launch.nnodes
 
 
+# The world size the launcher planned (and validated the batch arithmetic for), handed to
+# its workers: the engagement check compares Accelerate's process count with it.
+PLANNED_WORLD_SIZE_ENV = "RUNNER_PLANNED_WORLD_SIZE"
+
+
+def planned_world_size(launch: LaunchSpec) -> int:
+    """In a worker: the launcher's plan; a follower of an outside launch has only its WORLD_SIZE."""
+    planned = os.environ.get(PLANNED_WORLD_SIZE_ENV)
+    return int(planned) if planned else world_size(launch)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -89,6 +100,7 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
     from runner.distributed import joined_launch
     from runner.worker import run
 
+    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))  # inherited by spawned workers
     if joined_launch() is not None:  # we are rank 0 of an outside launch
         prepare_environment(1, spec.launch.debug)
         run(spec)

@@ -207,9 +207,10 @@ class StrategySpec:
     """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate) |
     accelerate_config (translate strategy.config_file into one of those)."""
     offload_optimizer: OffloadDevice = OffloadDevice.none
-    """ZeRO only: none | cpu."""
+    """ZeRO only (refused under ddp): none | cpu. DeepSpeed then steps its own
+    DeepSpeedCPUAdam on the CPU (the banner says so); optim.fused does not apply."""
     offload_params: OffloadDevice = OffloadDevice.none
-    """ZeRO-3 only: none | cpu."""
+    """ZeRO-3 only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu."""
     zero3_save_16bit_model: bool = True
     """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model."""
     config_file: Optional[str] = None

@@ -151,6 +151,43 @@ def check_machine(spec: RunSpec) -> list[str]:
     return problems
 
 
+def check_strategy(spec: RunSpec) -> list[str]:
+    """Strategy settings that would be accepted and then do nothing are refused."""
+    st, p = spec.strategy, []
+    kind = st.kind.value
+    if st.offload_optimizer.value != "none" and st.kind not in (StrategyKind.zero2, StrategyKind.zero3):
+        p.append(f"strategy.offload_optimizer={st.offload_optimizer.value} needs ZeRO: use strategy=zero2 or zero3 "
+                 "(or strategy.offload_optimizer=none).")
+    if st.offload_params.value != "none" and st.kind is not StrategyKind.zero3:
+        p.append(f"strategy.offload_params={st.offload_params.value}: only ZeRO-3 partitions (and so offloads) the "
+                 f"parameters, not strategy={kind}. Use strategy=zero3, or strategy.offload_params=none "
+                 "(strategy.offload_optimizer=cpu offloads the optimizer state under zero2).")
+    return p
+
+
+def check_accelerate_environment(spec: RunSpec) -> list[str]:
+    """An outer `accelerate launch` passes its settings as ACCELERATE_* variables. Accelerate
+    lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS override the value runner passes, and ignores
+    ACCELERATE_MIXED_PRECISION for it: either way one of the two settings would silently lose."""
+    import os
+
+    from runner.accel import MIXED_PRECISION
+
+    p = []
+    accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if accum is not None and accum != str(spec.train.grad_accum_steps):
+        p.append(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} (from an outer accelerate launch) contradicts "
+                 f"train.grad_accum_steps={spec.train.grad_accum_steps}: set train.grad_accum_steps={accum} and drop the "
+                 "launcher's --gradient_accumulation_steps (or unset the variable).")
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mixed is not None and mixed.lower() != MIXED_PRECISION[spec.precision.kind]:
+        names = {v: k.value for k, v in MIXED_PRECISION.items()}
+        p.append(f"ACCELERATE_MIXED_PRECISION={mixed} (from an outer accelerate launch) contradicts "
+                 f"precision={spec.precision.kind.value}: set precision={names.get(mixed.lower(), '...')} and drop the "
+                 "launcher's --mixed_precision (or unset the variable).")
+    return p
+
+
 def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     """train.global_batch_size -> train.grad_accum_steps (written into the frozen spec)."""
     t = spec.train
@@ -173,7 +210,9 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (check_numbers, check_machine, check_data_source, check_model)
+CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
+    check_numbers, check_strategy, check_accelerate_environment, check_machine, check_data_source, check_model,
+)
 
 
 def validate(spec: RunSpec, world_size: int = 1) -> None:

@@ -124,6 +124,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.flops import model_flops_per_token, peak_flops
     from runner.signals import EXIT_CODES, Stopped
     from runner.spec import spec_to_yaml
+    from runner.launch import planned_world_size
     from runner.trainer import NonFiniteLoss, Trainer
 
     run_dir = Path(spec.run_dir)
@@ -161,7 +162,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
-    check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
+    optimizer_in_use = check_engaged(accelerator, model, optimizer, spec, planned_world_size(spec.launch))
 
     plan = plan_run(
         spec,
@@ -176,7 +177,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     )
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
-        log.info(banner(plan, str(run_dir)))
+        swapped = " (DeepSpeed's, for strategy.offload_optimizer; optim.fused does not apply)" if "DeepSpeed" in optimizer_in_use else ""
+        log.info(banner(plan, str(run_dir)) + f"\n  optimizer      {optimizer_in_use}{swapped}")
 
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see optim.py), so saved explicitly
     trainer = Trainer(

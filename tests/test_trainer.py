@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import build_accelerator, reset_accelerate_state
-from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.accel import EngagementError, build_accelerator, check_engaged, reset_accelerate_state
+from runner.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 from runner.trainer import NonFiniteLoss, Trainer
 
 VOCAB = 64
@@ -133,8 +133,9 @@ def test_fp16_consecutive_overflows_stop_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkeypatch):
-    """ZeRO-2 in one process (gloo): an inf gradient stops the run with the engine's
-    weights and step count as they were; today's Accelerate backward would have stepped."""
+    """ZeRO-2 in one process (gloo): the engagement check reads the engine's offload and
+    optimizer; an inf gradient stops the run with the engine's weights and step count as
+    they were (Accelerate's own backward would have stepped the engine already)."""
     from runner.launch import free_port, prepare_environment
 
     pytest.importorskip("deepspeed")
@@ -151,6 +152,11 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
         loader = torch.utils.data.DataLoader(list(torch.zeros(4, 8, dtype=torch.long)), batch_size=2)  # sets DeepSpeed's micro-batch
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        spec = RunSpec(strategy=StrategySpec(kind=StrategyKind.zero2), optim=OptimSpec(fused=False))
+        assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (foreach)"
+        spec.strategy.offload_optimizer = OffloadDevice.cpu
+        with pytest.raises(EngagementError, match="offloads offload_optimizer to none, expected cpu.*DeepSpeedCPUAdam"):
+            check_engaged(accelerator, model, optimizer, spec, planned_world_size=1)
         trainer = make_trainer(accelerator, model, optimizer, tmp_path)
         first, second = batches(2)
         assert trainer.train_step(first) and model.global_steps == 1
