@@ -74,7 +74,7 @@ def start(
     from runner.rundir import continues_in_place, freeze, prepare_run_dir
     from runner.signals import EXIT_CODES
     from runner.spec import StrategyKind
-    from runner.validate import check_blocks, validate
+    from runner.validate import check_blocks, check_launch, validate
 
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
@@ -82,8 +82,13 @@ def start(
         for note in apply_accelerate_config(spec):
             sys.stderr.write(f"runner: note: {note}\n")
     _apply_slurm_nodes(spec)
+    if spec.run_dir and Path(spec.run_dir).resolve() != run_dir.resolve():
+        raise UserError(f"run_dir={spec.run_dir} is set by the launcher, not by hand: choose the run folder with "
+                        "hydra.run.dir=PATH (or --run-dir PATH with --spec).")
     spec.run_dir = str(run_dir.resolve())
-    world = world_size(spec.launch)  # after the accelerate-config and Slurm settings above
+    # After the accelerate-config and Slurm settings above; a bad launch.* value is
+    # reported by validate with everything else, not met here as a traceback.
+    world = world_size(spec.launch) if not check_launch(spec) else None
     validate(spec, world)
     data = check_blocks(spec)
     if spec.dry_run:
@@ -193,6 +198,7 @@ def _run_spec_file(argv: list[str]) -> None:
         raise compose_error(err) from None
     if args.resume is not None:
         spec.resume = args.resume
+    spec.run_dir = ""  # the frozen run's folder: --run-dir (or a new folder) takes its place
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = args.run_dir or Path("outputs") / spec.name / f"{stamp}_{short_hash(args.spec.read_text())}"
     start(spec, run_dir, args.overwrite or spec.overwrite, run_dir_chosen=args.run_dir is not None)
