@@ -107,9 +107,11 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
-    if nproc * spec.launch.nnodes == 1:
+    if nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
         _run_in_process(spec)
         return
+    # More than one worker, or one that may need restarting (launch.max_restarts): a
+    # worker in this process could not be restarted after a crash, so it is spawned.
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -190,7 +190,8 @@ class LaunchSpec:
     rdzv_endpoint: Optional[str] = None
     """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
     max_restarts: int = 0
-    """Restart all workers up to N times after a crash (they resume from the newest checkpoint)."""
+    """Restart all workers up to N times after a crash (they resume from the newest checkpoint).
+    Any world size: with N > 0 a single worker runs in its own process, so it can be restarted."""
     timeout_minutes: float = 30.0
     """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
     debug: bool = False
