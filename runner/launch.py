@@ -61,8 +61,11 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
         if torch.cuda.is_available():
             os.environ["NCCL_DEBUG"] = "INFO"
 
-    # Workers share the cores: without this each one starts a thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // local_workers, 1)))
+    # Workers share the cores this process may use (affinity, cgroup quota; see
+    # runner/cpus.py): without this each one starts a thread per core of the machine.
+    from runner.cpus import usable_cpus
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(usable_cpus() // local_workers, 1)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
