@@ -214,6 +214,16 @@ def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: floa
     return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
 
+def unwrap(accelerator: "Accelerator", model: Any) -> Any:
+    """The bare model under DDP / DeepSpeed / torch.compile, leaving `model` intact.
+
+    Accelerate's default (keep_torch_compile=True) re-points the compiled wrapper at the
+    bare model (`compiled._orig_mod = bare`): on torch.compile over DDP, that silently
+    removes DDP from the model being trained, and the ranks drift apart.
+    """
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
     """Keep Accelerate's autocast on the forward but drop its cast of every output to fp32.
 
@@ -229,7 +239,7 @@ def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
 
     from accelerate.utils.operations import ConvertOutputsToFp32
 
-    base = accelerator.unwrap_model(model)  # keeps the wrappers; strips DDP / torch.compile
+    base = unwrap(accelerator, model)  # keeps the wrappers; strips DDP / torch.compile
     forward = base.__dict__.get("forward")
     converter = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
     if not isinstance(converter, ConvertOutputsToFp32):

@@ -112,7 +112,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     import torch
     from accelerate.utils import set_seed
 
-    from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast
+    from runner.accel import (
+        build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast, unwrap,
+    )
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
     from runner.metrics import peak_memory_mb, summary_table, write_results
@@ -171,7 +173,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         block_size=block_size,
         train_blocks=len(data.train),
         eval_blocks=len(data.validation),
-        parameters=count_parameters(accelerator.unwrap_model(model)),
+        parameters=count_parameters(unwrap(accelerator, model)),
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
     )

@@ -105,3 +105,25 @@ def test_rank_sync_check():
     check_in_sync([1.0, 1.0])
     with pytest.raises(EngagementError, match="different parameters"):
         check_in_sync([1.0, 1.5])
+
+
+def test_unwrap_leaves_torch_compile_over_ddp_intact():
+    """Accelerate's unwrap_model re-points a compiled wrapper at the bare model, which drops
+    DDP from the model being trained (seen as 'expected DistributedDataParallel, got
+    OptimizedModule' and ranks drifting apart). runner's unwrap leaves it whole."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.accel import unwrap
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+        bare = torch.nn.Linear(2, 2)
+        compiled = torch.compile(DistributedDataParallel(bare))  # what prepare() builds under ddp + compile
+        assert unwrap(accelerator, compiled) is bare
+        assert isinstance(compiled._orig_mod, DistributedDataParallel)
+        accelerator.unwrap_model(compiled)  # the library's default
+        assert compiled._orig_mod is bare  # DDP is gone from the live model: why runner never calls it so
+    finally:
+        dist.destroy_process_group()
