@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from runner.errors import RunFailed, UserError, compose_error, exit_with
+from runner.errors import USAGE_EXIT_CODE, RunFailed, UserError, compose_error, exit_with
 
 
 def _offline_defaults() -> None:
@@ -133,6 +133,8 @@ def start(
         rank, failure = err.get_first_failure()
         message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
         reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+        if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
+            reason = f"exit code {failure.exitcode}"
         raise RunFailed(f"worker rank {rank} failed: {reason}") from None
 
 

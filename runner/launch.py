@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -94,9 +95,17 @@ def _run_in_process(spec: RunSpec) -> None:
 
 @record
 def _worker_entry(spec_path: str) -> None:
+    from runner.errors import USAGE_EXIT_CODE, UserError
     from runner.worker import main
 
-    main(spec_path)
+    try:
+        main(spec_path)
+    except UserError as err:
+        # A problem the user can fix, found on this rank (rank 0 or not): one line and
+        # exit 2, as in the launcher, instead of @record's traceback.
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(USAGE_EXIT_CODE) from None
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
@@ -134,4 +143,10 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
         start_method="spawn",
         monitor_interval=0.5,
     )
+    # The launcher's own log of a worker's exit is a traceback of torch's process
+    # bookkeeping, not of the failure: the worker's traceback (@record) or its one-line
+    # UserError is already printed, and start() names the rank and its exit code.
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     elastic_launch(config, _worker_entry)(str(spec_path))

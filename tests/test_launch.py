@@ -37,3 +37,16 @@ def test_without_restarts_a_single_worker_crash_fails_the_run(tmp_path):
     env = {**os.environ, **patch_train_step(tmp_path, "self.state.step >= 2", "os._exit(1)")}
     done = subprocess.run(cmd(tmp_path / "run", "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 1 and "worker rank 0 failed" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
+    env = {**os.environ, **patch_train_step(
+        tmp_path, 'os.environ.get("RANK") == "1"',
+        'from runner.errors import UserError; raise UserError("data.train_file: unusable on this rank. Fix it.")',
+    )}
+    done = subprocess.run(cmd(tmp_path / "run", "launch.nproc_per_node=2", "train.per_device_batch_size=2"),
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "[rank 1] runner: error: data.train_file: unusable on this rank. Fix it." in done.stderr
+    assert "worker rank 1 failed: exit code 2" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
