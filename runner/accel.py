@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.spec import PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -86,29 +86,142 @@ def describe(accelerator: "Accelerator") -> dict[str, Any]:
     }
 
 
-def check_engaged(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec, world_size: int) -> None:
-    """Fail loudly when the prepared objects are not what the spec asked for."""
+def _innermost_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under Accelerate's wrapper and, under DeepSpeed, ZeRO's."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # AcceleratedOptimizer, DeepSpeed's wrapper, its ZeRO optimizer
+        inner = inner.optimizer
+    return inner
+
+
+def expected_optimizer(strategy: StrategySpec, fused: bool) -> str:
+    """The optimizer the run will step: Accelerate swaps torch's AdamW for DeepSpeedCPUAdam
+    under ZeRO optimizer offload (the update runs on the CPU; optim.fused does not apply)."""
+    if is_zero(strategy) and strategy.offload_optimizer.value != "none":
+        return "DeepSpeedCPUAdam"
+    return f"AdamW ({'fused' if fused else 'foreach'})"
+
+
+def engaged_optimizer(optimizer: Any) -> str:
+    inner = _innermost_optimizer(optimizer)
+    name = type(inner).__name__
+    if name == "AdamW":
+        return f"AdamW ({'fused' if inner.param_groups[0].get('fused') else 'foreach'})"
+    return name
+
+
+def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: RunSpec, planned_world_size: int) -> str:
+    """Fail loudly when what Accelerate / DeepSpeed built is not what the launcher planned:
+    world size, strategy and ZeRO stage, offload devices, gradient accumulation (which an
+    outer `accelerate launch` can override through ACCELERATE_* variables), mixed
+    precision, and the optimizer class in use. Returns that optimizer, for the banner."""
     from accelerate.utils import DistributedType
 
+    strategy, precision, accum = spec.strategy, spec.precision, spec.train.grad_accum_steps
     problems: list[str] = []
-    if accelerator.num_processes != world_size:
-        problems.append(f"world size is {accelerator.num_processes}, expected {world_size}")
+    if accelerator.num_processes != planned_world_size:
+        problems.append(f"world size is {accelerator.num_processes}, the launcher planned {planned_world_size}")
     if accelerator.mixed_precision != MIXED_PRECISION[precision.kind]:
         problems.append(f"mixed precision is {accelerator.mixed_precision}, expected {MIXED_PRECISION[precision.kind]}")
+    if accelerator.gradient_accumulation_steps != accum:
+        problems.append(f"gradient accumulation is {accelerator.gradient_accumulation_steps} steps, expected {accum}")
     kind = accelerator.state.distributed_type
     if is_zero(strategy):
         stage = ZERO_STAGE[strategy.kind]
         engaged = getattr(model, "zero_optimization_stage", None)
         if kind != DistributedType.DEEPSPEED or not callable(engaged) or engaged() != stage:
             problems.append(f"expected a DeepSpeed ZeRO-{stage} engine, got {type(model).__name__} ({kind})")
-    elif world_size > 1:
+        else:
+            if model.gradient_accumulation_steps() != accum:
+                problems.append(f"DeepSpeed accumulates {model.gradient_accumulation_steps()} steps, expected {accum}")
+            for name, wanted, config in (
+                ("offload_optimizer", strategy.offload_optimizer.value, model.zero_offload_optimizer()),
+                ("offload_params", strategy.offload_params.value, model.zero_offload_param()),
+            ):
+                device = getattr(getattr(config, "device", None), "value", None) or "none"
+                if device != wanted:
+                    problems.append(f"DeepSpeed offloads {name} to {device}, expected {wanted}")
+    elif planned_world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(model, DistributedDataParallel):
-            problems.append(f"expected DistributedDataParallel, got {type(model).__name__} ({kind})")
+        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        if not isinstance(inner, DistributedDataParallel):
+            problems.append(f"expected DistributedDataParallel, got {type(inner).__name__} ({kind})")
+    if spec.model.compile and not is_zero(strategy) and not hasattr(model, "_orig_mod"):
+        problems.append(f"model.compile=true but the model is not compiled ({type(model).__name__})")
+    in_use, wanted_optimizer = engaged_optimizer(optimizer), expected_optimizer(strategy, spec.optim.fused)
+    if in_use != wanted_optimizer:
+        problems.append(f"the optimizer in use is {in_use}, expected {wanted_optimizer}")
     if problems:
         raise EngagementError("strategy not engaged as specified: " + "; ".join(problems))
+    return in_use
 
+
+def backward(accelerator: "Accelerator", loss: Any) -> None:
+    """Accelerate's backward without DeepSpeed's optimizer step.
+
+    Under DeepSpeed, `accelerator.backward` also runs `engine.step()` at the end of an
+    accumulation window, so anything checked after it (the non-finite guard) would be
+    checked after the update. Here the engine only runs backward, as Accelerate's
+    wrapper does (accumulation boundary first); `optimizer_step` then steps it.
+    """
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        accelerator.backward(loss)
+        return
+    wrapped.engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
+    wrapped.engine.backward(loss)
+
+
+def optimizer_step(accelerator: "Accelerator", optimizer: Any) -> None:
+    """The optimizer step of an accumulation window (called only when it closes)."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        optimizer.step()
+    else:
+        wrapped.engine.step()  # clips (gradient_clipping), steps or skips on overflow, zeroes
+        optimizer.step()  # Accelerate's DeepSpeed wrapper: a no-op, but the lr scheduler sees its step
+
+
+def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: float) -> Any:
+    """The global gradient norm before the optimizer step (a 0-d tensor; not read on the host).
+
+    Clips to `max_grad_norm` when it is > 0. Under DDP the gradients are already
+    all-reduced, so the local norm is the global one; under fp16 they are unscaled first.
+    Under DeepSpeed each rank holds a partition: the ZeRO optimizer's own norm (what its
+    step computes again before clipping) all-reduces the partitions' norms. DeepSpeed
+    reports an inf/NaN norm as -1; it is returned as inf.
+    """
+    import math
+
+    import torch
+
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        zero = wrapped.engine.optimizer
+        if hasattr(zero, "scaled_global_norm"):  # ZeRO-1/2
+            scaled = zero.scaled_global_norm()
+        else:  # ZeRO-3
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            scaled = combine_grad_norm_groups(zero._get_norm_groups())
+        scaled = torch.as_tensor(scaled, dtype=torch.float32)
+        return torch.where(scaled < 0, torch.full_like(scaled, math.inf), scaled / float(zero.loss_scale))
+    if max_grad_norm > 0:
+        return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    accelerator.unscale_gradients()  # fp16: the true gradients' norm; a no-op otherwise
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+
+def unwrap(accelerator: "Accelerator", model: Any) -> Any:
+    """The bare model under DDP / DeepSpeed / torch.compile, leaving `model` intact.
+
+    Accelerate's default (keep_torch_compile=True) re-points the compiled wrapper at the
+    bare model (`compiled._orig_mod = bare`): on torch.compile over DDP, that silently
+    removes DDP from the model being trained, and the ranks drift apart.
+    """
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
@@ -126,7 +239,7 @@ def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
 
     from accelerate.utils.operations import ConvertOutputsToFp32
 
-    base = accelerator.unwrap_model(model)  # keeps the wrappers; strips DDP / torch.compile
+    base = unwrap(accelerator, model)  # keeps the wrappers; strips DDP / torch.compile
     forward = base.__dict__.get("forward")
     converter = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
     if not isinstance(converter, ConvertOutputsToFp32):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from runner.errors import RunFailed, UserError, compose_error, exit_with
+from runner.errors import USAGE_EXIT_CODE, RunFailed, UserError, compose_error, exit_with
 
 
 def _offline_defaults() -> None:
@@ -71,10 +71,10 @@ def start(
     from runner.accelerate_config import apply_accelerate_config
     from runner.launch import launch, world_size
     from runner.resume import check_resume
-    from runner.rundir import freeze, prepare_run_dir
+    from runner.rundir import continues_in_place, freeze, prepare_run_dir
     from runner.signals import EXIT_CODES
     from runner.spec import StrategyKind
-    from runner.validate import check_blocks, validate
+    from runner.validate import check_blocks, check_launch, validate
 
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
@@ -82,8 +82,13 @@ def start(
         for note in apply_accelerate_config(spec):
             sys.stderr.write(f"runner: note: {note}\n")
     _apply_slurm_nodes(spec)
+    if spec.run_dir and Path(spec.run_dir).resolve() != run_dir.resolve():
+        raise UserError(f"run_dir={spec.run_dir} is set by the launcher, not by hand: choose the run folder with "
+                        "hydra.run.dir=PATH (or --run-dir PATH with --spec).")
     spec.run_dir = str(run_dir.resolve())
-    world = world_size(spec.launch)  # after the accelerate-config and Slurm settings above
+    # After the accelerate-config and Slurm settings above; a bad launch.* value is
+    # reported by validate with everything else, not met here as a traceback.
+    world = world_size(spec.launch) if not check_launch(spec) else None
     validate(spec, world)
     data = check_blocks(spec)
     if spec.dry_run:
@@ -98,18 +103,23 @@ def start(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
             "(the same on every node's command line)."
         )
-    resuming = False
-    if spec.resume is not None:
-        checkpoint, notes = check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train))
-        for note in notes:
-            sys.stderr.write(f"runner: {note}\n")
-        resuming = checkpoint is not None or spec.resume == "auto"
+    checkpoint, notes = (
+        check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else (None, [])
+    )
     if spec.launch.node_rank > 0:
         # Node 0 owns the run folder; this node's workers only need the spec.
         spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
     else:
-        prepare_run_dir(run_dir, overwrite, resuming=resuming)
+        # Only a resume from this folder's own checkpoint may write beside its results.
+        continuing = continues_in_place(run_dir, checkpoint)
+        why = ""
+        if spec.resume is not None and not continuing:
+            why = "; resume=auto found no checkpoint in it to continue from" if checkpoint is None else (
+                f"; resume={spec.resume} is another folder's checkpoint")
+        prepare_run_dir(run_dir, overwrite, continuing=continuing, why=why)
         spec_path = freeze(spec, run_dir, composed, overrides)
+    for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
+        sys.stderr.write(f"runner: {note}\n")
     try:
         launch(spec, spec_path)
     except SignalException as err:
@@ -125,6 +135,8 @@ def start(
         rank, failure = err.get_first_failure()
         message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
         reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+        if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
+            reason = f"exit code {failure.exitcode}"
         raise RunFailed(f"worker rank {rank} failed: {reason}") from None
 
 
@@ -190,6 +202,7 @@ def _run_spec_file(argv: list[str]) -> None:
         raise compose_error(err) from None
     if args.resume is not None:
         spec.resume = args.resume
+    spec.run_dir = ""  # the frozen run's folder: --run-dir (or a new folder) takes its place
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = args.run_dir or Path("outputs") / spec.name / f"{stamp}_{short_hash(args.spec.read_text())}"
     start(spec, run_dir, args.overwrite or spec.overwrite, run_dir_chosen=args.run_dir is not None)

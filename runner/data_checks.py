@@ -95,29 +95,70 @@ def _check_text(path: Path, gz: bool, override: str) -> list[str]:
     return [] if has_text else [f"{override}: '{path}' holds no text (only blank lines)."]
 
 
+def default_text_column(columns: list[str], text_column: Optional[str]) -> str:
+    """The column the data pipeline reads (runner.data.text_column_of): the named one, else
+    `text` if present, else the first."""
+    return text_column or ("text" if "text" in columns else columns[0])
+
+
+def _check_cell(value: object, where: str, column: str, override: str) -> list[str]:
+    if value is None:
+        return [f"{override}: {where}: column '{column}' is null (empty). Remove that record or give it text."]
+    if not isinstance(value, str):
+        return [f"{override}: {where}: column '{column}' holds a {type(value).__name__}, not text. "
+                "Point data.text_column at a text column, or fix that record."]
+    return []
+
+
 def _check_json(path: Path, gz: bool, override: str, text_column: Optional[str]) -> list[str]:
-    first: Optional[object] = None
+    """Every record, not only the first: a record without the column, or with a null or
+    non-text value there, stops tokenization deep inside datasets."""
+    column: Optional[str] = None
     try:
         for number, record in _json_records(path, gz):
             if not isinstance(record, dict):
                 return [f"{override}: {path}:{number}: expected a JSON object per line, got {type(record).__name__}."]
-            if first is None:
-                first = record
+            if column is None:
+                if not record:
+                    return [f"{override}: {path}:{number}: an empty record has no text column."]
+                problems = _check_column(list(record), path, override, text_column)
+                if problems:
+                    return problems
+                column = default_text_column(list(record), text_column)
+            if column not in record:
+                return [f"{override}: {path}:{number}: this record has no column '{column}' (it has: "
+                        f"{', '.join(record)}). Every record needs it; fix that record or set data.text_column."]
+            problems = _check_cell(record[column], f"{path}:{number}", column, override)
+            if problems:
+                return problems
     except MalformedLine as err:
         return [f"{override}: {path}:{err.line}: malformed JSON ({err.reason}). Fix or remove that line."]
     except json.JSONDecodeError as err:  # a whole-file JSON array
         return [f"{override}: {path}:{err.lineno}: malformed JSON ({err.msg})."]
-    if first is None:
+    if column is None:
         return [f"{override}: '{path}' holds no records."]
-    return _check_column(list(first), path, override, text_column)
+    return []
 
 
 def _check_csv(path: Path, gz: bool, override: str, text_column: Optional[str]) -> list[str]:
+    """The header names the column; every row must fill it (datasets reads an empty cell as null)."""
     with _open_text(path, gz) as handle:
-        header = next(csv.reader(handle), None)
-    if not header:
-        return [f"{override}: '{path}' has no header row."]
-    return _check_column(header, path, override, text_column)
+        rows = csv.reader(handle)
+        header = next(rows, None)
+        if not header:
+            return [f"{override}: '{path}' has no header row."]
+        problems = _check_column(header, path, override, text_column)
+        if problems:
+            return problems
+        index = header.index(default_text_column(header, text_column))
+        for number, row in enumerate(rows, start=2):  # row 1 is the header
+            if not row:
+                continue  # a blank line: the csv reader and datasets both skip it
+            value = row[index] if index < len(row) and row[index] != "" else None
+            problems = _check_cell(value, f"{path}:{number}", header[index], override)
+            if problems:
+                return problems
+    return []
 
 
 def _check_column(columns: list[str], path: Path, override: str, text_column: Optional[str]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def world_size(launch: LaunchSpec) -> int:
     return joined.world_size if joined else resolve_nproc(launch) * launch.nnodes
 
 
+# The world size the launcher planned (and validated the batch arithmetic for), handed to
+# its workers: the engagement check compares Accelerate's process count with it.
+PLANNED_WORLD_SIZE_ENV = "RUNNER_PLANNED_WORLD_SIZE"
+
+
+def planned_world_size(launch: LaunchSpec) -> int:
+    """In a worker: the launcher's plan; a follower of an outside launch has only its WORLD_SIZE."""
+    planned = os.environ.get(PLANNED_WORLD_SIZE_ENV)
+    return int(planned) if planned else world_size(launch)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -50,8 +62,11 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
         if torch.cuda.is_available():
             os.environ["NCCL_DEBUG"] = "INFO"
 
-    # Workers share the cores: without this each one starts a thread per core.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // local_workers, 1)))
+    # Workers share the cores this process may use (affinity, cgroup quota; see
+    # runner/cpus.py): without this each one starts a thread per core of the machine.
+    from runner.cpus import usable_cpus
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(usable_cpus() // local_workers, 1)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
@@ -80,24 +95,35 @@ def _run_in_process(spec: RunSpec) -> None:
 
 @record
 def _worker_entry(spec_path: str) -> None:
+    from runner.errors import USAGE_EXIT_CODE, UserError
     from runner.worker import main
 
-    main(spec_path)
+    try:
+        main(spec_path)
+    except UserError as err:
+        # A problem the user can fix, found on this rank (rank 0 or not): one line and
+        # exit 2, as in the launcher, instead of @record's traceback.
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(USAGE_EXIT_CODE) from None
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
     from runner.distributed import joined_launch
     from runner.worker import run
 
+    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))  # inherited by spawned workers
     if joined_launch() is not None:  # we are rank 0 of an outside launch
         prepare_environment(1, spec.launch.debug)
         run(spec)
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
-    if nproc * spec.launch.nnodes == 1:
+    if nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
         _run_in_process(spec)
         return
+    # More than one worker, or one that may need restarting (launch.max_restarts): a
+    # worker in this process could not be restarted after a crash, so it is spawned.
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -117,4 +143,10 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
         start_method="spawn",
         monitor_interval=0.5,
     )
+    # The launcher's own log of a worker's exit is a traceback of torch's process
+    # bookkeeping, not of the failure: the worker's traceback (@record) or its one-line
+    # UserError is already printed, and start() names the rank and its exit code.
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     elastic_launch(config, _worker_entry)(str(spec_path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -31,23 +31,33 @@ def existing_results(run_dir: Path) -> list[str]:
     return [name for name in RESULT_NAMES if (run_dir / name).exists()]
 
 
-def prepare_run_dir(run_dir: Path, overwrite: bool, resuming: bool = False) -> None:
+def prepare_run_dir(run_dir: Path, overwrite: bool, continuing: bool = False, why: str = "") -> None:
     """Refuse a folder that already holds results unless overwrite=true; with it,
-    remove only what a run writes (never other files the user keeps there). A
-    resumed run continues in its folder and removes nothing."""
-    if resuming:
+    remove only what a run writes (never other files the user keeps there).
+
+    `continuing`: a resume from one of this folder's own checkpoints, which carries
+    its run on and removes nothing. Anything else (a fresh start, resume=auto that
+    found no checkpoint, a checkpoint from another folder) would write over the
+    results, so it is refused like a fresh run; `why` says which it was.
+    """
+    if continuing:
         run_dir.mkdir(parents=True, exist_ok=True)
         return
     found = existing_results(run_dir)
     if found and not overwrite:
         raise UserError(
-            f"the run folder {run_dir} already holds results ({', '.join(found)}). "
+            f"the run folder {run_dir} already holds results ({', '.join(found)}){why}. "
             "Pick a new folder (hydra.run.dir=PATH) or replace them with overwrite=true."
         )
     for name in found:
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
+    """Whether resuming from `checkpoint` carries on the run that lives in `run_dir`."""
+    return checkpoint is not None and run_dir.resolve() in checkpoint.resolve().parents
 
 
 def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:

@@ -190,7 +190,8 @@ class LaunchSpec:
     rdzv_endpoint: Optional[str] = None
     """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
     max_restarts: int = 0
-    """Restart all workers up to N times after a crash (they resume from the newest checkpoint)."""
+    """Restart all workers up to N times after a crash (they resume from the newest checkpoint).
+    Any world size: with N > 0 a single worker runs in its own process, so it can be restarted."""
     timeout_minutes: float = 30.0
     """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
     debug: bool = False
@@ -207,9 +208,10 @@ class StrategySpec:
     """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate) |
     accelerate_config (translate strategy.config_file into one of those)."""
     offload_optimizer: OffloadDevice = OffloadDevice.none
-    """ZeRO only: none | cpu."""
+    """ZeRO only (refused under ddp): none | cpu. DeepSpeed then steps its own
+    DeepSpeedCPUAdam on the CPU (the banner says so); optim.fused does not apply."""
     offload_params: OffloadDevice = OffloadDevice.none
-    """ZeRO-3 only: none | cpu."""
+    """ZeRO-3 only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu."""
     zero3_save_16bit_model: bool = True
     """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model."""
     config_file: Optional[str] = None
@@ -221,6 +223,12 @@ class StrategySpec:
 class PrecisionSpec:
     kind: PrecisionKind = PrecisionKind.fp32
     """fp32 | bf16 (autocast; CPU or Ampere+ GPU) | fp16 (autocast + loss scaling, GPU only)."""
+    max_consecutive_skipped_steps: int = 25
+    """fp16: stop the run (exit 3) after this many optimizer steps in a row were skipped on
+    overflow (inf/NaN gradients at the current loss scale; each skip halves the scale). A
+    healthy run skips a few at the start while the scale settles (2^16 halved 25 times is
+    below 1e-2); more in a row means the gradients are non-finite at any scale. fp32 and
+    bf16 never skip: a non-finite gradient stops them at once. >= 1."""
 
 
 @dataclass

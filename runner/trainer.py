@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from runner.accel import backward, global_grad_norm, optimizer_step
 from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.metrics import MetricsWriter, Progress, current_memory_mb, peak_memory_mb, perplexity
 from runner.plan import RunPlan
 from runner.signals import StopRequest, Stopped
+from runner.spec import PrecisionSpec
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -38,7 +40,8 @@ def _postfix(record: dict[str, Any]) -> dict[str, str]:
 
 
 class NonFiniteLoss(RuntimeError):
-    """A NaN or inf loss or gradient norm: the run stops before the optimizer step."""
+    """A NaN or inf loss or gradient norm: the run stops before the optimizer step (under
+    fp16: after precision.max_consecutive_skipped_steps overflows in a row)."""
 
 
 @dataclass
@@ -55,6 +58,7 @@ class LoopState:
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
     skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered
+    consecutive_skips: int = 0  # skipped steps since the last step taken (precision.max_consecutive_skipped_steps)
     first_step_time: Optional[float] = None  # wall clock (time.time()) when step 1 finished, for benchmarks
     last_eval: dict[str, float] = field(default_factory=dict)
 
@@ -80,6 +84,7 @@ class Trainer:
         spec_yaml: str = "",
         flops_per_token: float = 0.0,
         peak_flops: float = 0.0,
+        max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
     ) -> None:
         self.accelerator = accelerator
         self.model = model
@@ -90,6 +95,7 @@ class Trainer:
         self.plan = plan
         self.run_dir = run_dir
         self.max_grad_norm = max_grad_norm
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps  # fp16 overflows in a row that stop the run
         self.log_every, self.eval_every, self.save_every = log_every, eval_every, save_every
         self.keep_checkpoints = keep_checkpoints
         self.state = LoopState()
@@ -231,20 +237,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: dict[str, torch.Tensor]) -> bool:
-        """One micro-batch; returns True when it completed an optimizer step."""
+        """One micro-batch; returns True when it completed an optimizer step (taken or,
+        under fp16, skipped on an overflow)."""
         acc, s = self.accelerator, self.state
         with acc.accumulate(self.model):
             loss = self.model(**batch).loss
-            acc.backward(loss)
+            backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             if acc.sync_gradients:
                 self._check_finite(loss)
-            self.optimizer.step()
-            if acc.sync_gradients and not acc.optimizer_step_was_skipped:
-                # Stepped here, once per optimizer step, never by Accelerate per process.
-                self.scheduler.step()
-            elif acc.sync_gradients:
-                s.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
+                if self._optimizer_step():
+                    # Stepped here, once per optimizer step, never by Accelerate per process.
+                    self.scheduler.step()
+                    s.consecutive_skips = 0
+                else:
+                    self._count_skip()
+                self.optimizer.zero_grad(set_to_none=True)
         detached = loss.detach().float()
         s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
         s.loss_count += 1
@@ -255,24 +262,49 @@ class Trainer:
             s.first_step_time = time.time()
         return True
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
-        """Stop before the optimizer step on a NaN/inf loss or gradient norm (one host
-        sync per optimizer step). The norm is global, so every rank stops together."""
-        if self.max_grad_norm > 0:
-            self.grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        checks = [loss.detach().float().reshape(1)]
-        if self.grad_norm is not None:
-            checks.append(torch.as_tensor(self.grad_norm, device=loss.device).float().reshape(1))
-        if bool(torch.isfinite(torch.cat(checks)).all()):
-            return
-        if self.accelerator.mixed_precision == "fp16":
-            return  # the loss scaler skips this step and lowers the scale: expected, not fatal
-        step = self.state.step + 1
+    def _optimizer_step(self) -> bool:
+        """Step the optimizer; False when the step was skipped (an fp16 overflow)."""
+        acc = self.accelerator
+        scaler = getattr(acc, "scaler", None)
+        scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        optimizer_step(acc, self.optimizer)
+        if acc.optimizer_step_was_skipped:
+            return False
+        # With a fused AdamW, GradScaler.step always calls optimizer.step() (the kernel
+        # skips the update itself on found_inf), so Accelerate's flag stays False. The
+        # sign of a skip is then the scale backing off (update() halves it on found_inf).
+        return scale_before is None or scaler.get_scale() >= scale_before
+
+    def _count_skip(self) -> None:
+        s = self.state
+        s.skipped_steps += 1
+        s.consecutive_skips += 1
+        if s.consecutive_skips >= self.max_consecutive_skipped_steps:
+            raise NonFiniteLoss(
+                f"{s.consecutive_skips} optimizer steps in a row were skipped on fp16 overflows (steps "
+                f"{s.step + 2 - s.consecutive_skips}-{s.step + 1}, loss scale now {self._loss_scale()}): the gradients "
+                f"stay non-finite at any scale; {self._last_good()}. Lower optim.lr, raise schedule.warmup_steps, use "
+                "precision=bf16, or raise precision.max_consecutive_skipped_steps."
+            )
+
+    def _last_good(self) -> str:
         last = self.last_checkpoint or latest_checkpoint(self.run_dir)
-        where = f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+        return f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop before the optimizer step on a NaN/inf loss or global gradient norm (one
+        host sync per optimizer step). The norm is computed (and clipped when
+        optim.max_grad_norm > 0) even with clipping off; it is global, so every rank
+        stops together. Under fp16 a non-finite gradient is an overflow: the loss scaler
+        skips the step (counted in _optimizer_step), which is expected, not fatal."""
+        self.grad_norm = global_grad_norm(self.accelerator, self.model, self.max_grad_norm)
+        checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
+        if bool(torch.isfinite(checks).all()) or self.accelerator.mixed_precision == "fp16":
+            return
+        step = self.state.step + 1
         raise NonFiniteLoss(
             f"non-finite loss or gradient norm at step {step} (loss {loss.item()}, grad norm "
-            f"{float(self.grad_norm) if self.grad_norm is not None else 'n/a'}); stopped before the optimizer step; {where}. "
+            f"{float(self.grad_norm)}); stopped before the optimizer step; {self._last_good()}. "
             "Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
         )
 

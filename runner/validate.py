@@ -8,7 +8,8 @@ files on disk. Runs in the launcher only, before a run folder is touched.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
 
 from runner.data_checks import check_data_files
 from runner.errors import UserError
@@ -33,8 +34,9 @@ def check_numbers(spec: RunSpec) -> list[str]:
     _positive(p, t.per_device_eval_batch_size, "train.per_device_eval_batch_size")
     _positive(p, t.grad_accum_steps, "train.grad_accum_steps")
     _positive(p, t.max_steps, "train.max_steps")
-    if t.max_steps is None:
-        _positive(p, t.num_epochs, "train.num_epochs")
+    _positive(p, t.num_epochs, "train.num_epochs")  # also when max_steps wins: a bad value is refused, not ignored
+    if not 0 <= t.seed < 2**32:  # numpy's seed range
+        p.append(f"train.seed={t.seed} must be in 0..2**32-1. Set train.seed=<a whole number >= 0>.")
     for key in ("log_every", "eval_every", "save_every"):
         _positive(p, getattr(t, key), f"train.{key}", allow_zero=True)
     _positive(p, t.keep_checkpoints, "train.keep_checkpoints")
@@ -42,12 +44,17 @@ def check_numbers(spec: RunSpec) -> list[str]:
     _positive(p, spec.optim.lr, "optim.lr")
     _positive(p, spec.optim.weight_decay, "optim.weight_decay", allow_zero=True)
     _positive(p, spec.optim.max_grad_norm, "optim.max_grad_norm", allow_zero=True)
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(spec.optim, key) < 1.0:
+            p.append(f"optim.{key}={getattr(spec.optim, key)} must be in [0, 1) (AdamW's decay rate; 0.9 / 0.999 are usual).")
+    _positive(p, spec.optim.eps, "optim.eps")
     _positive(p, spec.optim.reference_global_batch, "optim.reference_global_batch")
     if spec.optim.scale_lr.value != "none" and not spec.optim.reference_global_batch:
         p.append(
             f"optim.scale_lr={spec.optim.scale_lr.value} needs the batch the lr was tuned at: "
             "set optim.reference_global_batch=<global batch>."
         )
+    _positive(p, spec.precision.max_consecutive_skipped_steps, "precision.max_consecutive_skipped_steps")
     _positive(p, spec.schedule.warmup_steps, "schedule.warmup_steps", allow_zero=True)
     if not 0.0 <= spec.schedule.warmup_ratio < 1.0:
         p.append(f"schedule.warmup_ratio={spec.schedule.warmup_ratio} must be in [0, 1).")
@@ -66,11 +73,16 @@ def check_data_source(spec: RunSpec) -> list[str]:
     if not d.dataset_name and not d.train_file:
         return ["no training data: set data.train_file=/path/to/train.txt (or data.dataset_name=NAME), or use recipe=gpt2_clm_tiny."]
     problems: list[str] = []
-    if not d.validation_file and not 0 < d.validation_split_percentage < 100:
-        problems.append(
-            f"data.validation_split_percentage={d.validation_split_percentage} must be 1-99 when "
-            "there is no validation file (or set data.validation_file=...)."
-        )
+    if not 0 < d.validation_split_percentage < 100:  # also with a validation file: refused, not ignored
+        problems.append(f"data.validation_split_percentage={d.validation_split_percentage} must be 1-99.")
+    if d.dataset_config_name and not d.dataset_name:
+        problems.append(f"data.dataset_config_name={d.dataset_config_name} is a hub dataset's configuration, but "
+                        "data.dataset_name is not set: set data.dataset_name=NAME or data.dataset_config_name=null.")
+    if d.text_column is not None and any(str(f).endswith((".txt", ".txt.gz")) for f in (d.train_file, d.validation_file) if f):
+        problems.append(f"data.text_column={d.text_column}: a .txt file has one column, `text`; data.text_column "
+                        "is for .json/.jsonl/.csv files. Set data.text_column=null.")
+    if d.cache_dir is not None:
+        problems += _check_cache_dir(d.cache_dir)
     if d.train_file:
         problems += check_data_files(d)
     elif d.dataset_name and not d.dataset_name.startswith(("/", ".", "~")):
@@ -84,9 +96,22 @@ def check_data_source(spec: RunSpec) -> list[str]:
     return problems
 
 
+def _check_cache_dir(cache_dir: str) -> list[str]:
+    """The folder must be, or be creatable as, a writable directory."""
+    import os
+
+    path = Path(cache_dir).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if (path.exists() and not path.is_dir()) or not existing.is_dir() or not os.access(existing, os.W_OK):
+        return [f"data.cache_dir={cache_dir} is not a writable folder (nor creatable as one). Set data.cache_dir to a "
+                "folder you can write, or data.cache_dir=null for the default."]
+    return []
+
+
 def _dataset_cached(name: str) -> bool:
     import os
-    from pathlib import Path
 
     root = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
     return any(root.glob(f"{name.replace('/', '___')}*"))
@@ -95,7 +120,7 @@ def _dataset_cached(name: str) -> bool:
 def check_model(spec: RunSpec) -> list[str]:
     from runner.model import build_config, check_sources, max_positions
 
-    problems = check_sources(spec.model)
+    problems = check_sources(spec.model) + _empty_model_folders(spec)
     if problems:
         return problems
     try:
@@ -111,6 +136,24 @@ def check_model(spec: RunSpec) -> list[str]:
             f"data.block_size={block} is larger than the model's {positions} positions. "
             f"Set data.block_size={positions} or less (or raise n_positions in model.config_overrides)."
         )
+    return problems
+
+
+def _empty_model_folders(spec: RunSpec) -> list[str]:
+    """A local folder given as the model or tokenizer must hold one (save_pretrained's files)."""
+    from runner.model import tokenizer_source
+
+    m, problems = spec.model, []
+    wanted = (
+        (m.name_or_path, "model.name_or_path", "model", ("config.json",)),
+        (tokenizer_source(m), "model.tokenizer_name" if m.tokenizer_name else "model.name_or_path", "tokenizer",
+         ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")),
+    )
+    for value, override, what, files in wanted:
+        folder = Path(str(value)).expanduser() if value else None
+        if folder is not None and folder.is_dir() and not any((folder / f).is_file() for f in files):
+            problems.append(f"{override}='{value}' is a folder with no {what} in it (none of {', '.join(files)}). "
+                            f"Point {override} at a folder written by save_pretrained.")
     return problems
 
 
@@ -138,16 +181,74 @@ def check_machine(spec: RunSpec) -> list[str]:
         )
     if spec.precision.kind is PrecisionKind.bf16 and cuda and not torch.cuda.is_bf16_supported():
         problems.append("precision=bf16: this GPU has no bf16 support. Use precision=fp16 or precision=fp32.")
-    nproc = spec.launch.nproc_per_node
+    return problems
+
+
+def check_launch(spec: RunSpec) -> list[str]:
+    """launch.* is read before the rest is validated (it decides the world size the batch
+    arithmetic is checked at), so the launcher runs this first; it is in CHECKS too."""
+    launch, problems = spec.launch, []
+    nproc = launch.nproc_per_node
     if nproc != "auto" and (not nproc.isdigit() or int(nproc) < 1):
         problems.append(f"launch.nproc_per_node={nproc} must be 'auto' or a whole number >= 1.")
-    _positive(problems, spec.launch.nnodes, "launch.nnodes")
-    _positive(problems, spec.launch.timeout_minutes, "launch.timeout_minutes")
-    if not 0 <= spec.launch.node_rank < max(spec.launch.nnodes, 1):
-        problems.append(f"launch.node_rank={spec.launch.node_rank} must be in 0..launch.nnodes-1.")
-    if spec.launch.nnodes > 1 and not spec.launch.rdzv_endpoint:
+    _positive(problems, launch.nnodes, "launch.nnodes")
+    _positive(problems, launch.max_restarts, "launch.max_restarts", allow_zero=True)
+    _positive(problems, launch.timeout_minutes, "launch.timeout_minutes")
+    if not 0 <= launch.node_rank < max(launch.nnodes, 1):
+        problems.append(f"launch.node_rank={launch.node_rank} must be in 0..launch.nnodes-1.")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
         problems.append("launch.nnodes>1 needs launch.rdzv_endpoint=HOST:PORT (node 0's address), the same on every node.")
+    if launch.rdzv_endpoint is not None:
+        host, _, port = launch.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(f"launch.rdzv_endpoint={launch.rdzv_endpoint} must be HOST:PORT, e.g. 10.0.0.1:29500.")
     return problems
+
+
+def check_names(spec: RunSpec) -> list[str]:
+    """The run's name is a folder name (outputs/<name>/...) and the trackers' project."""
+    if not spec.name.strip() or "/" in spec.name or spec.name in (".", ".."):
+        return [f"name='{spec.name}' must be a non-empty folder name without '/'. Set name=my_run."]
+    return []
+
+
+def check_strategy(spec: RunSpec) -> list[str]:
+    """Strategy settings that would be accepted and then do nothing are refused."""
+    st, p = spec.strategy, []
+    kind = st.kind.value
+    if st.offload_optimizer.value != "none" and st.kind not in (StrategyKind.zero2, StrategyKind.zero3):
+        p.append(f"strategy.offload_optimizer={st.offload_optimizer.value} needs ZeRO: use strategy=zero2 or zero3 "
+                 "(or strategy.offload_optimizer=none).")
+    if st.offload_params.value != "none" and st.kind is not StrategyKind.zero3:
+        p.append(f"strategy.offload_params={st.offload_params.value}: only ZeRO-3 partitions (and so offloads) the "
+                 f"parameters, not strategy={kind}. Use strategy=zero3, or strategy.offload_params=none "
+                 "(strategy.offload_optimizer=cpu offloads the optimizer state under zero2).")
+    if st.config_file and not Path(st.config_file).expanduser().is_file():
+        p.append(f"strategy.config_file: no such file '{st.config_file}'. Give the YAML that `accelerate config` wrote.")
+    return p
+
+
+def check_accelerate_environment(spec: RunSpec) -> list[str]:
+    """An outer `accelerate launch` passes its settings as ACCELERATE_* variables. Accelerate
+    lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS override the value runner passes, and ignores
+    ACCELERATE_MIXED_PRECISION for it: either way one of the two settings would silently lose."""
+    import os
+
+    from runner.accel import MIXED_PRECISION
+
+    p = []
+    accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if accum is not None and accum != str(spec.train.grad_accum_steps):
+        p.append(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} (from an outer accelerate launch) contradicts "
+                 f"train.grad_accum_steps={spec.train.grad_accum_steps}: set train.grad_accum_steps={accum} and drop the "
+                 "launcher's --gradient_accumulation_steps (or unset the variable).")
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mixed is not None and mixed.lower() != MIXED_PRECISION[spec.precision.kind]:
+        names = {v: k.value for k, v in MIXED_PRECISION.items()}
+        p.append(f"ACCELERATE_MIXED_PRECISION={mixed} (from an outer accelerate launch) contradicts "
+                 f"precision={spec.precision.kind.value}: set precision={names.get(mixed.lower(), '...')} and drop the "
+                 "launcher's --mixed_precision (or unset the variable).")
+    return p
 
 
 def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
@@ -172,12 +273,15 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (check_numbers, check_machine, check_data_source, check_model)
+CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
+    check_names, check_numbers, check_launch, check_strategy, check_accelerate_environment, check_machine, check_data_source, check_model,
+)
 
 
-def validate(spec: RunSpec, world_size: int = 1) -> None:
-    """Raise one UserError listing every problem found."""
-    problems: list[str] = derive_accumulation(spec, world_size)
+def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
+    """Raise one UserError listing every problem found. world_size None: launch.* is
+    invalid, so the world size (and the accumulation derived from it) is unknown."""
+    problems: list[str] = derive_accumulation(spec, world_size) if world_size is not None else []
     for check in CHECKS:
         problems += check(spec)
     if problems:

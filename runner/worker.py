@@ -121,7 +121,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     import torch
     from accelerate.utils import set_seed
 
-    from runner.accel import build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast
+    from runner.accel import (
+        build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast, unwrap,
+    )
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
     from runner.metrics import peak_memory_mb, summary_table, write_results
@@ -134,6 +136,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from runner.flops import model_flops_per_token, peak_flops
     from runner.signals import EXIT_CODES, Stopped
     from runner.spec import spec_to_yaml
+    from runner.launch import planned_world_size
     from runner.trainer import NonFiniteLoss, Trainer
 
     run_dir = Path(spec.run_dir)
@@ -171,7 +174,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
-    check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
+    optimizer_in_use = check_engaged(accelerator, model, optimizer, spec, planned_world_size(spec.launch))
 
     plan = plan_run(
         spec,
@@ -180,18 +183,20 @@ def train(spec: RunSpec) -> dict[str, Any]:
         block_size=block_size,
         train_blocks=len(data.train),
         eval_blocks=len(data.validation),
-        parameters=count_parameters(accelerator.unwrap_model(model)),
+        parameters=count_parameters(unwrap(accelerator, model)),
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
     )
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
-        log.info(banner(plan, str(run_dir)))
+        swapped = " (DeepSpeed's, for strategy.offload_optimizer; optim.fused does not apply)" if "DeepSpeed" in optimizer_in_use else ""
+        log.info(banner(plan, str(run_dir)) + f"\n  optimizer      {optimizer_in_use}{swapped}")
 
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see optim.py), so saved explicitly
     trainer = Trainer(
         accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
         max_grad_norm=spec.optim.max_grad_norm,
+        max_consecutive_skipped_steps=spec.precision.max_consecutive_skipped_steps,
         log_every=t.log_every,
         eval_every=t.eval_every,
         save_every=t.save_every,

@@ -9,10 +9,11 @@ from runner.accel import (
     build_accelerator,
     check_engaged,
     check_in_sync,
+    expected_optimizer,
     reset_accelerate_state,
     skip_output_upcast,
 )
-from runner.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.spec import ModelSpec, OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 SUPPORTED_HERE = [PrecisionKind.fp32, PrecisionKind.bf16] + ([PrecisionKind.fp16] if torch.cuda.is_available() else [])
 
@@ -35,7 +36,9 @@ def test_requested_dtype_is_in_effect_inside_forward(precision):
     model(input_ids=torch.randint(0, 100, (2, 8), device=accelerator.device))
     expected = {PrecisionKind.fp32: torch.float32, PrecisionKind.bf16: torch.bfloat16, PrecisionKind.fp16: torch.float16}
     assert seen == [expected[precision]]
-    check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(kind=precision), world_size=1)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), fused=True))
+    spec = RunSpec(precision=PrecisionSpec(kind=precision))
+    assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (fused)"
 
 
 def test_bf16_keeps_autocast_but_not_the_fp32_copy_of_the_logits():
@@ -59,18 +62,68 @@ def test_output_upcast_is_left_alone_in_fp32():
     assert skip_output_upcast(accelerator, model) is False
 
 
-def test_engagement_check_catches_a_mismatch():
+def prepared_linear(accelerator, fused=True):
+    model = torch.nn.Linear(2, 2)
+    return accelerator.prepare(model, torch.optim.AdamW(model.parameters(), fused=fused))
+
+
+def test_engagement_check_compares_with_the_launchers_plan():
     accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
-    model = accelerator.prepare(torch.nn.Linear(2, 2))
-    with pytest.raises(EngagementError, match="world size is 1, expected 2"):
-        check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(), world_size=2)
+    model, optimizer = prepared_linear(accelerator)
+    spec = RunSpec()
+    assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (fused)"
+    with pytest.raises(EngagementError, match="world size is 1, the launcher planned 2"):
+        check_engaged(accelerator, model, optimizer, spec, planned_world_size=2)
     with pytest.raises(EngagementError, match="DeepSpeed ZeRO-3"):
-        check_engaged(accelerator, model, StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), world_size=1)
-    with pytest.raises(EngagementError, match="mixed precision"):
-        check_engaged(accelerator, model, StrategySpec(), PrecisionSpec(kind=PrecisionKind.bf16), world_size=1)
+        check_engaged(accelerator, model, optimizer, RunSpec(strategy=StrategySpec(kind=StrategyKind.zero3)), 1)
+    with pytest.raises(EngagementError, match="mixed precision is no, expected bf16"):
+        check_engaged(accelerator, model, optimizer, RunSpec(precision=PrecisionSpec(kind=PrecisionKind.bf16)), 1)
+    with pytest.raises(EngagementError, match="optimizer in use is AdamW \\(fused\\), expected AdamW \\(foreach\\)"):
+        check_engaged(accelerator, model, optimizer, RunSpec(optim=OptimSpec(fused=False)), 1)
+    with pytest.raises(EngagementError, match="model.compile=true but the model is not compiled"):
+        check_engaged(accelerator, model, optimizer, RunSpec(model=ModelSpec(compile=True)), 1)
+
+
+def test_an_outer_accelerate_launch_overriding_accumulation_is_caught(monkeypatch):
+    """Accelerate lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS win over the value runner passes."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    assert accelerator.gradient_accumulation_steps == 4  # the library behaviour the check guards against
+    model, optimizer = prepared_linear(accelerator)
+    with pytest.raises(EngagementError, match="gradient accumulation is 4 steps, expected 1"):
+        check_engaged(accelerator, model, optimizer, RunSpec(), planned_world_size=1)
+
+
+def test_deepspeed_swaps_the_optimizer_under_offload():
+    zero2 = StrategySpec(kind=StrategyKind.zero2)
+    assert expected_optimizer(zero2, fused=True) == "AdamW (fused)"
+    zero2.offload_optimizer = OffloadDevice.cpu
+    assert expected_optimizer(zero2, fused=True) == "DeepSpeedCPUAdam"
 
 
 def test_rank_sync_check():
     check_in_sync([1.0, 1.0])
     with pytest.raises(EngagementError, match="different parameters"):
         check_in_sync([1.0, 1.5])
+
+
+def test_unwrap_leaves_torch_compile_over_ddp_intact():
+    """Accelerate's unwrap_model re-points a compiled wrapper at the bare model, which drops
+    DDP from the model being trained (seen as 'expected DistributedDataParallel, got
+    OptimizedModule' and ranks drifting apart). runner's unwrap leaves it whole."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.accel import unwrap
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+        bare = torch.nn.Linear(2, 2)
+        compiled = torch.compile(DistributedDataParallel(bare))  # what prepare() builds under ddp + compile
+        assert unwrap(accelerator, compiled) is bare
+        assert isinstance(compiled._orig_mod, DistributedDataParallel)
+        accelerator.unwrap_model(compiled)  # the library's default
+        assert compiled._orig_mod is bare  # DDP is gone from the live model: why runner never calls it so
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,8 @@
 
 import gzip
 
+import pytest
+
 
 from runner.data_checks import check_file
 from runner.spec import DataSpec
@@ -90,3 +92,33 @@ def _spec(**data):
     spec = RunSpec()
     spec.data = DataSpec(**data)
     return spec
+
+
+@pytest.mark.parametrize(
+    "lines, text_column, expected",
+    [
+        # the default column (text_column=null) is checked like a named one, in every record
+        (['{"text": "a"}', '{"text": "b"}', '{"body": "c"}'], None, ":3: this record has no column 'text'"),
+        (['{"text": "a"}', '{"text": null}'], None, ":2: column 'text' is null"),
+        (['{"text": "a"}', '{"text": 7}'], None, ":2: column 'text' holds a int, not text"),
+        (['{"body": "a"}', '{"body": ["x"]}'], None, ":2: column 'body' holds a list"),  # no `text`: the first column
+        (['{"a": "x", "b": "y"}', '{"a": "x"}'], "b", ":2: this record has no column 'b'"),
+    ],
+)
+def test_every_json_record_has_text_in_the_column(tmp_path, lines, text_column, expected):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    [msg] = check_file(str(path), "data.train_file", text_column)
+    assert expected in msg and str(path) in msg
+
+
+def test_every_csv_row_fills_the_column(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("id,text\n1,hello\n2,\n")
+    [msg] = check_file(str(path), "data.train_file", None)
+    assert f"{path}:3: column 'text' is null" in msg
+    path.write_text("id,text\n1,hello\n2\n")  # a short row
+    [msg] = check_file(str(path), "data.train_file", None)
+    assert f"{path}:3:" in msg
+    path.write_text("id,text\n1,hello\n\n2,world\n")
+    assert check_file(str(path), "data.train_file", None) == []

@@ -158,3 +158,26 @@ def test_bf16_trains_close_to_fp32_and_saves_fp32_weights(tmp_path):
     assert math.isfinite(final["eval_loss"]) and 0 < final["eval_accuracy"] < 1
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_resume_auto_never_overwrites_a_finished_run_without_checkpoints(micro_run, capsys):
+    """The micro run saved no checkpoint (train.save_every=0): resume=auto must not start
+    fresh over its results."""
+    import hashlib
+
+    from conftest import MICRO
+
+    run_dir, _ = micro_run
+
+    def digests() -> dict[str, str]:
+        return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    before = digests()
+    assert "all_results.json" in before and not any(name.startswith("checkpoints") for name in before)
+    with pytest.raises(SystemExit) as info:
+        main([*MICRO, "resume=auto", f"hydra.run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "resume=auto found no checkpoint" in err and "overwrite=true" in err and "hydra.run.dir=" in err
+    assert "starting fresh" not in err
+    assert digests() == before  # every file byte-identical

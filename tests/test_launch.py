@@ -1,0 +1,52 @@
+"""launch.max_restarts at world size 1: the single worker is spawned, so it can be restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import patch_train_step
+from test_checkpoint import cmd, losses
+
+pytestmark = pytest.mark.slow
+
+
+def test_max_restarts_restarts_a_single_worker_that_crashes(tmp_path):
+    """The one worker dies once at step 10; it is restarted, resumes from checkpoint 8 and
+    ends with the losses of a run that never crashed."""
+    reference = tmp_path / "reference"
+    done = subprocess.run(cmd(reference), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, **patch_train_step(
+        tmp_path,
+        'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.state.step >= 10',
+        "os._exit(1)  # as if the process were killed",
+    )}
+    run_dir = tmp_path / "run"
+    done = subprocess.run(cmd(run_dir, "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in (run_dir / "run.log").read_text()
+    assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
+    assert losses(run_dir) == losses(reference)
+
+
+def test_without_restarts_a_single_worker_crash_fails_the_run(tmp_path):
+    env = {**os.environ, **patch_train_step(tmp_path, "self.state.step >= 2", "os._exit(1)")}
+    done = subprocess.run(cmd(tmp_path / "run", "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 1 and "worker rank 0 failed" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
+    env = {**os.environ, **patch_train_step(
+        tmp_path, 'os.environ.get("RANK") == "1"',
+        'from runner.errors import UserError; raise UserError("data.train_file: unusable on this rank. Fix it.")',
+    )}
+    done = subprocess.run(cmd(tmp_path / "run", "launch.nproc_per_node=2", "train.per_device_batch_size=2"),
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "[rank 1] runner: error: data.train_file: unusable on this rank. Fix it." in done.stderr
+    assert "worker rank 1 failed: exit code 2" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -1,0 +1,173 @@
+"""Trainer.train_step: the non-finite guard runs before the update, under every path.
+
+The model is a micro GPT-2 run in this process; an inf gradient with a finite loss is
+injected by a tensor hook on one weight (the loss stays finite, only the gradient is
+bad), so each test shows the check, not a blown-up model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from runner.accel import EngagementError, build_accelerator, check_engaged, reset_accelerate_state
+from runner.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
+from runner.trainer import NonFiniteLoss, Trainer
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+def micro_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16, vocab_size=VOCAB,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def batches(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (2, 8), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+class InfGrad:
+    """A hook on one weight that turns its gradient into inf while `on` is set."""
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.on = False
+        param.register_hook(lambda grad: torch.full_like(grad, float("inf")) if self.on else grad)
+
+
+def make_trainer(accelerator, model, optimizer, tmp_path: Path, **kwargs) -> Trainer:
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))  # moves every step
+    defaults = dict(max_grad_norm=0.0, log_every=0, eval_every=0, save_every=0, keep_checkpoints=1)
+    return Trainer(accelerator, model, optimizer, scheduler, [], [], None, tmp_path, **{**defaults, **kwargs})  # type: ignore[arg-type]
+
+
+def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_unchanged(model: torch.nn.Module, before: list[torch.Tensor]) -> None:
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["clipping_off", "clipping_on"])
+def test_inf_gradient_with_finite_loss_stops_before_the_update(tmp_path, max_grad_norm):
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
+    model = micro_model()
+    inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
+    first, second = batches(2)
+    assert trainer.train_step(first)
+    assert trainer.grad_norm is not None and 0 < float(trainer.grad_norm) < float("inf")  # computed even unclipped
+    lr, before = trainer.scheduler.get_last_lr(), snapshot(model)
+    inject.on = True
+    with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf"):
+        trainer.train_step(second)
+    assert_unchanged(model, before)
+    assert trainer.scheduler.get_last_lr() == lr and trainer.state.step == 1
+
+
+def fp16_on_cpu(tmp_path: Path, **kwargs):
+    """Accelerate's CUDA fp16 path, reproduced on a CPU: the GradScaler Accelerate builds on
+    a GPU (here torch.amp.GradScaler("cpu")) drives backward, unscale and step, with the
+    fused AdamW runner builds by default."""
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=PrecisionKind.fp16), grad_accum_steps=1, max_grad_norm=0.0)
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # on a CPU Accelerate has none
+    model = micro_model()
+    inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
+    model = accelerator.prepare(model)  # the forward stays fp32; the scaler is what matters here
+    accelerator.scaler, accelerator.native_amp = torch.amp.GradScaler("cpu"), True
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    return accelerator, model, inject, make_trainer(accelerator, model, optimizer, tmp_path, **kwargs)
+
+
+def test_fp16_overflow_with_fused_adamw_counts_as_skipped_and_holds_the_schedule(tmp_path):
+    accelerator, model, inject, trainer = fp16_on_cpu(tmp_path)
+    first, second, third = batches(3)
+    assert trainer.train_step(first) and trainer.state.skipped_steps == 0
+    scale, lr, before = accelerator.scaler.get_scale(), trainer.scheduler.get_last_lr(), snapshot(model)
+    inject.on = True
+    assert trainer.train_step(second)  # an optimizer step's worth of data, but not stepped
+    # What makes the detection necessary: Accelerate's flag misses the skip (fused AdamW).
+    assert accelerator.optimizer_step_was_skipped is False
+    assert trainer.state.skipped_steps == 1 and accelerator.scaler.get_scale() == scale / 2
+    assert trainer.scheduler.get_last_lr() == lr
+    assert_unchanged(model, before)
+    inject.on = False
+    assert trainer.train_step(third)
+    assert trainer.scheduler.get_last_lr() != lr and trainer.state.consecutive_skips == 0
+    assert not all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))
+
+
+def test_fp16_consecutive_overflows_stop_the_run(tmp_path):
+    accelerator, model, inject, trainer = fp16_on_cpu(tmp_path, max_consecutive_skipped_steps=3)
+    data = batches(6)
+    inject.on = True
+    assert trainer.train_step(data[0]) and trainer.train_step(data[1])  # two skips: not yet
+    inject.on = False
+    assert trainer.train_step(data[2])  # a step taken resets the count
+    inject.on = True
+    assert trainer.train_step(data[3]) and trainer.train_step(data[4])
+    with pytest.raises(NonFiniteLoss, match=r"3 optimizer steps in a row were skipped.*steps 4-6.*precision.max_consecutive_skipped_steps"):
+        trainer.train_step(data[5])
+    assert trainer.state.skipped_steps == 5
+
+
+@pytest.mark.slow
+def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkeypatch):
+    """ZeRO-2 in one process (gloo): the engagement check reads the engine's offload and
+    optimizer; an inf gradient stops the run with the engine's weights and step count as
+    they were (Accelerate's own backward would have stepped the engine already)."""
+    from runner.launch import free_port, prepare_environment
+
+    pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    prepare_environment(1)
+    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=0.0)
+    try:
+        model = micro_model()
+        inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
+        loader = torch.utils.data.DataLoader(list(torch.zeros(4, 8, dtype=torch.long)), batch_size=2)  # sets DeepSpeed's micro-batch
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        spec = RunSpec(strategy=StrategySpec(kind=StrategyKind.zero2), optim=OptimSpec(fused=False))
+        assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (foreach)"
+        spec.strategy.offload_optimizer = OffloadDevice.cpu
+        with pytest.raises(EngagementError, match="offloads offload_optimizer to none, expected cpu.*DeepSpeedCPUAdam"):
+            check_engaged(accelerator, model, optimizer, spec, planned_world_size=1)
+        trainer = make_trainer(accelerator, model, optimizer, tmp_path)
+        first, second = batches(2)
+        assert trainer.train_step(first) and model.global_steps == 1
+        assert 0 < float(trainer.grad_norm) < float("inf")
+        before = snapshot(model)
+        inject.on = True
+        with pytest.raises(NonFiniteLoss, match="grad norm inf"):
+            trainer.train_step(second)
+        assert model.global_steps == 1 and model.global_samples == first["input_ids"].shape[0]
+        assert_unchanged(model, before)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
