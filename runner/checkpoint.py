@@ -68,7 +68,21 @@ def save_checkpoint(
 
 
 def read_marker(path: Path) -> dict[str, Any]:
-    return json.loads((path / COMPLETE_MARKER).read_text())
+    """The loop state saved with a checkpoint; a damaged marker is a clear error."""
+    from runner.errors import UserError
+
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
+            raise ValueError("no step in it")
+    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
+        older = [p.name for p in complete_checkpoints(path.parent) if p != path]
+        hint = f"resume=PATH with an older one ({', '.join(older[-2:])})" if older else "resume=PATH with another checkpoint"
+        raise UserError(
+            f"checkpoint {path}: its {COMPLETE_MARKER} is damaged ({type(err).__name__}: {err}). "
+            f"Resume from an older checkpoint ({hint}) or start a new run folder."
+        ) from None
+    return marker
 
 
 def is_complete(path: Path) -> bool:

@@ -214,8 +214,12 @@ def train(spec: RunSpec) -> dict[str, Any]:
         meta = load_checkpoint(accelerator, resume_from)
         trainer.restore(meta)
         if accelerator.is_main_process:
-            truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
+    if accelerator.is_main_process:
+        # Lines past the step this run starts from are logged again: after a resume, or
+        # after a restart (launch.max_restarts) of an attempt that died before its first
+        # checkpoint. metrics.jsonl then holds each step once.
+        truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
     try:
         train_results, eval_results = trainer.fit()
     except Stopped as stop:

@@ -184,6 +184,11 @@ def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
     done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
     assert done.returncode == 2
     assert "unreadable" in done.stderr and "Traceback" not in done.stderr
+    (newest / COMPLETE_MARKER).write_text('{"step": 4, "epo')  # a marker torn mid-write
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{COMPLETE_MARKER} is damaged" in done.stderr and "resume=PATH" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):

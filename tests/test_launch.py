@@ -50,3 +50,16 @@ def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     assert "[rank 1] runner: error: data.train_file: unusable on this rank. Fix it." in done.stderr
     assert "worker rank 1 failed: exit code 2" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
+    """The worker dies at step 3, before any checkpoint: the restart starts again from
+    step 1, and metrics.jsonl keeps only the new attempt's lines."""
+    env = {**os.environ, **patch_train_step(
+        tmp_path, 'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.state.step >= 3', "os._exit(1)",
+    )}
+    run_dir = tmp_path / "run"
+    done = subprocess.run(cmd(run_dir, "launch.max_restarts=1", "train.max_steps=6"), capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, 7))  # losses() also fails on a step logged twice
