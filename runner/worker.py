@@ -180,6 +180,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
         log.info(banner(plan, str(run_dir)))
 
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see optim.py), so saved explicitly
+    device_peak = peak_flops(accelerator.device, spec.precision.kind.value)
+    if device_peak is None and accelerator.is_main_process:
+        log.warning(f"MFU: unknown ({torch.cuda.get_device_name(accelerator.device)} is not in runner/flops.py's peak table)")
     trainer = Trainer(
         accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
         max_grad_norm=spec.optim.max_grad_norm,
@@ -190,7 +193,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         sampler=sampler,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size),
-        peak_flops=peak_flops(accelerator.device, spec.precision.kind.value) * accelerator.num_processes,
+        peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
     )
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:
