@@ -136,8 +136,6 @@ def check_machine(spec: RunSpec) -> list[str]:
             "precision=fp16 needs a GPU: on a CPU Accelerate would silently compute in fp32. "
             "Use precision=bf16 (real bf16 autocast on CPU) or precision=fp32."
         )
-    if spec.precision.kind is PrecisionKind.bf16 and cuda and not torch.cuda.is_bf16_supported():
-        problems.append("precision=bf16: this GPU has no bf16 support. Use precision=fp16 or precision=fp32.")
     nproc = spec.launch.nproc_per_node
     if nproc != "auto" and (not nproc.isdigit() or int(nproc) < 1):
         problems.append(f"launch.nproc_per_node={nproc} must be 'auto' or a whole number >= 1.")
@@ -148,6 +146,25 @@ def check_machine(spec: RunSpec) -> list[str]:
     if spec.launch.nnodes > 1 and not spec.launch.rdzv_endpoint:
         problems.append("launch.nnodes>1 needs launch.rdzv_endpoint=HOST:PORT (node 0's address), the same on every node.")
     return problems
+
+
+def check_gpu_precision(spec: RunSpec) -> list[str]:
+    """bf16 needs an Ampere or newer GPU (compute capability 8.0+) on every visible device.
+    torch.cuda.is_bf16_supported() also counts emulation, which runs bf16 on a V100 or
+    T4 many times slower than fp16, so the capability is what is checked."""
+    import torch
+
+    if spec.precision.kind is not PrecisionKind.bf16 or not torch.cuda.is_available():
+        return []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < (8, 0):
+            name = torch.cuda.get_device_name(index)
+            return [
+                f"precision=bf16 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor} "
+                "and would only emulate bf16, slowly. Use precision=fp16 (loss scaling) or precision=fp32."
+            ]
+    return []
 
 
 def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
@@ -172,7 +189,9 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     return []
 
 
-CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (check_numbers, check_machine, check_data_source, check_model)
+CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
+    check_numbers, check_machine, check_gpu_precision, check_data_source, check_model
+)
 
 
 def validate(spec: RunSpec, world_size: int = 1) -> None:
