@@ -22,11 +22,13 @@ log = logging.getLogger("runner")
 
 def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
     """(train loader, eval loader, the train sampler whose epoch the trainer sets)."""
+    import torch
     from torch.utils.data import DataLoader
 
     from runner.data import EpochSampler, collate
 
     t = spec.train
+    pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accel.dataloader_config) can overlap
     sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
     train = DataLoader(
         data.train,
@@ -35,6 +37,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
         drop_last=False,
+        pin_memory=pin,
     )
     evaluation = DataLoader(
         data.validation,
@@ -42,6 +45,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         shuffle=False,
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
+        pin_memory=pin,
     )
     return train, evaluation, sampler
 

@@ -137,3 +137,16 @@ def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
     _, plain = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch)
     assert plain.zero_config.offload_optimizer is None or plain.zero_config.offload_optimizer.device == "none"
     assert plain.zero_config.offload_param is None
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
+    """The prepared loader copies with non_blocking=True on a GPU (Accelerate's
+    DataLoaderShard passes its flag to send_to_device); on a CPU there is nothing to overlap."""
+    from accelerate import Accelerator
+
+    from runner.accel import dataloader_config
+
+    accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cuda))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=4))
+    assert loader._non_blocking is cuda
