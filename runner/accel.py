@@ -230,3 +230,42 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def fp32_copy(model: Any) -> dict[str, Any]:
+    """The model's parameters, copied, before a ZeRO engine casts them to bf16/fp16 in
+    place (host memory: one fp32 copy of the model, freed once the engine holds them)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
+    """Give ZeRO's fp32 master weights the exact initial values.
+
+    DeepSpeed casts the module to bf16/fp16 first and builds its fp32 master copy from
+    that, so every initial weight is rounded to 16 bits, where ddp starts from the fp32
+    values. Each rank sets its own partition from the full tensor; under ZeRO-3 that is
+    local, under ZeRO-2 too (no collective)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in engine.module.named_parameters():
+        safe_set_full_fp32_param(p, weights[name].to(p.device))
+
+
+def zero_fp32_state_dict(engine: Any) -> dict[str, Any]:
+    """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
+    bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
+    calls it, parameters in the same order."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    full: dict[int, Any] = {}
+    state: dict[str, Any] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
+            value = safe_get_full_fp32_param(p)
+            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone()
+        state[name] = full[id(p)]
+    for name, buffer in module.named_buffers():
+        if name in module.state_dict():  # persistent buffers only, as state_dict() has
+            state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
+    return state

@@ -167,6 +167,18 @@ def check_gpu_precision(spec: RunSpec) -> list[str]:
     return []
 
 
+def check_zero_save(spec: RunSpec) -> list[str]:
+    """model/ is always written as full fp32 weights gathered from ZeRO's master copy
+    (runner/accel.py zero_fp32_state_dict), so the 16-bit gather cannot be turned off;
+    refused here rather than found out after training."""
+    if spec.strategy.kind is StrategyKind.zero3 and not spec.strategy.zero3_save_16bit_model:
+        return [
+            "strategy.zero3_save_16bit_model=false is not supported: runner always writes model/ as full fp32 "
+            "weights gathered from every rank. Remove the override (or set strategy.zero3_save_16bit_model=true)."
+        ]
+    return []
+
+
 def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     """train.global_batch_size -> train.grad_accum_steps (written into the frozen spec)."""
     t = spec.train
@@ -190,7 +202,7 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
 
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
-    check_numbers, check_machine, check_gpu_precision, check_data_source, check_model
+    check_numbers, check_machine, check_gpu_precision, check_zero_save, check_data_source, check_model
 )
 
 

@@ -89,9 +89,17 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir: Path) -> Path:
-    """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM."""
+    """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM; fp32 weights
+    whatever the strategy (under ZeRO, its fp32 master weights gathered from every rank)."""
+    from accelerate.utils import DistributedType
+
+    from runner.accel import zero_fp32_state_dict
+
     out = run_dir / "model"
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank calls
+    if accelerator.state.distributed_type == DistributedType.DEEPSPEED:
+        state_dict = zero_fp32_state_dict(model)  # every rank calls: a collective
+    else:
+        state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
@@ -163,7 +171,13 @@ def train(spec: RunSpec) -> dict[str, Any]:
     train_loader, eval_loader, sampler = _loaders(spec, data)
     lr = effective_lr(spec.optim, global_batch(t, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
+    from runner.accel import fp32_copy, is_zero, set_zero_master_weights
+
+    initial = fp32_copy(model) if is_zero(spec.strategy) and accelerator.mixed_precision != "no" else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if initial is not None:
+        set_zero_master_weights(model, initial)  # ZeRO starts from the same fp32 weights as ddp
+        del initial
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
     check_engaged(accelerator, model, spec.strategy, spec.precision, world_size)
