@@ -251,10 +251,11 @@ def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
         safe_set_full_fp32_param(p, weights[name].to(p.device))
 
 
-def zero_fp32_state_dict(engine: Any) -> dict[str, Any]:
+def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
     bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
-    calls it, parameters in the same order."""
+    calls it, parameters in the same order; only a rank with `keep` (the one that writes)
+    holds the host copy, so the others never carry a second full model."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -263,9 +264,12 @@ def zero_fp32_state_dict(engine: Any) -> dict[str, Any]:
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
             value = safe_get_full_fp32_param(p)
-            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone()
+            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone() if keep else None
         state[name] = full[id(p)]
+    if not keep:
+        return {}
+    persistent = set(module.state_dict().keys())  # buffers as state_dict() has them
     for name, buffer in module.named_buffers():
-        if name in module.state_dict():  # persistent buffers only, as state_dict() has
+        if name in persistent:
             state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
     return state

@@ -97,7 +97,7 @@ def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir
 
     out = run_dir / "model"
     if accelerator.state.distributed_type == DistributedType.DEEPSPEED:
-        state_dict = zero_fp32_state_dict(model)  # every rank calls: a collective
+        state_dict = zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective
     else:
         state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

@@ -36,13 +36,15 @@ def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_
     weights, is off by that much; the fp32 master weights agree to 1e-5."""
     common = [*MICRO, "train.max_steps=2", "optim.lr=1e-6", "precision=bf16", "tracking=none",
               "launch.nproc_per_node=2", "train.per_device_batch_size=4", "train.eval_every=0"]
-    weights = {}
+    weights, banners = {}, {}
     for strategy in ("ddp", "zero2", "zero3"):
         run_dir = tmp_path / strategy
         done = subprocess.run([sys.executable, "-m", "runner", *common, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
                               capture_output=True, text=True, timeout=900, env=dict(os.environ))
         assert done.returncode == 0, f"{strategy}:\n{done.stderr[-3000:]}"
         weights[strategy] = _saved_weights(run_dir)
+        banners[strategy] = [line for line in (run_dir / "run.log").read_text().splitlines() if " parameters" in line][0]
+    assert banners["zero3"] == banners["ddp"] == banners["zero2"]  # ZeRO-3's partitioned parameters counted in full
     ddp = weights["ddp"]
     for strategy in ("zero2", "zero3"):
         saved = weights[strategy]
