@@ -28,6 +28,68 @@ def is_zero(strategy: StrategySpec) -> bool:
     return strategy.kind in ZERO_STAGE
 
 
+# fp16 loss scaling under ZeRO, matched to torch's GradScaler (what ddp uses): start at
+# 2**16, halve on every overflow (hysteresis 1), double after 2000 clean steps.
+# DeepSpeed's own defaults differ (window 1000, hysteresis 2).
+DEEPSPEED_FP16 = {"initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
+
+
+def deepspeed_config(
+    strategy: StrategySpec,
+    precision: PrecisionSpec,
+    grad_accum_steps: int,
+    max_grad_norm: float,
+    per_device_batch_size: int,
+    world_size: int,
+) -> dict[str, Any]:
+    """The complete DeepSpeed config for a ZeRO strategy, every value explicit.
+
+    Accelerate's plugin leaves "auto" placeholders and fills them in prepare() from its
+    own defaults; one of those is gradient_clipping=1.0, so ZeRO clipped even with
+    optim.max_grad_norm=0 while ddp did not. Here nothing is left to fill: clipping 0
+    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours.
+    """
+    stage = ZERO_STAGE[strategy.kind]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": strategy.offload_optimizer.value},
+    }
+    if stage == 3:
+        zero["offload_param"] = {"device": strategy.offload_params.value}
+        zero["stage3_gather_16bit_weights_on_model_save"] = strategy.zero3_save_16bit_model
+    return {
+        "train_micro_batch_size_per_gpu": per_device_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        # DeepSpeed checks train = micro x accumulation x world size at initialize().
+        "train_batch_size": per_device_batch_size * grad_accum_steps * world_size,
+        "gradient_clipping": float(max_grad_norm),
+        "zero_optimization": zero,
+        "fp16": {"enabled": precision.kind is PrecisionKind.fp16, **DEEPSPEED_FP16},
+        "bf16": {"enabled": precision.kind is PrecisionKind.bf16},
+        "zero_allow_untested_optimizer": True,  # runner's torch AdamW (client optimizer)
+    }
+
+
+def deepspeed_plugin(config: dict[str, Any]) -> Any:
+    """Accelerate's plugin around our complete config (it fills only "auto" values, and
+    there are none)."""
+    from accelerate import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(
+        hf_ds_config=config,
+        zero3_init_flag=False,  # the model is built (seeded) before the engine, as under DDP
+    )
+
+
+def dataloader_config(cuda: bool) -> Any:
+    """On a GPU, batches are copied host-to-device with non_blocking=True, from pinned
+    memory (worker._loaders sets pin_memory): the copy overlaps the previous step
+    instead of making the host wait. On a CPU there is no copy to overlap."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    return DataLoaderConfiguration(non_blocking=cuda)
+
+
 def build_accelerator(
     strategy: StrategySpec,
     precision: PrecisionSpec,
@@ -37,29 +99,28 @@ def build_accelerator(
     timeout_minutes: float = 30.0,
     tracking: str = "none",
     logging_dir: Optional[str] = None,
+    per_device_batch_size: Optional[int] = None,
 ) -> "Accelerator":
+    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused otherwise."""
     import torch
-    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     cuda = torch.cuda.is_available()
     handlers: list[Any] = []
     plugin = None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if is_zero(strategy):
-        plugin = DeepSpeedPlugin(
-            zero_stage=ZERO_STAGE[strategy.kind],
-            gradient_accumulation_steps=grad_accum_steps,
-            gradient_clipping=max_grad_norm if max_grad_norm > 0 else None,
-            offload_optimizer_device=strategy.offload_optimizer.value,
-            offload_param_device=strategy.offload_params.value if strategy.kind is StrategyKind.zero3 else "none",
-            zero3_save_16bit_model=strategy.zero3_save_16bit_model,
-            zero3_init_flag=False,  # the model is built (seeded) before the engine, as under DDP
-        )
-    if plugin is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if per_device_batch_size is None:
+            raise ValueError("a ZeRO strategy needs per_device_batch_size for DeepSpeed's config")
+        config = deepspeed_config(strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size)
+        plugin = deepspeed_plugin(config)
+    if plugin is not None or world_size > 1:
         # Passing a backend makes Accelerate initialise a process group: only when distributed.
         backend = "nccl" if cuda else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timedelta(minutes=timeout_minutes)))
     return Accelerator(
+        dataloader_config=dataloader_config(cuda),
         # DDP on CPU needs cpu=True (else two unsynchronised copies); DeepSpeed on CPU
         # needs cpu=False with a gloo process group.
         cpu=(not cuda) and plugin is None,
@@ -282,3 +343,46 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def fp32_copy(model: Any) -> dict[str, Any]:
+    """The model's parameters, copied, before a ZeRO engine casts them to bf16/fp16 in
+    place (host memory: one fp32 copy of the model, freed once the engine holds them)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
+    """Give ZeRO's fp32 master weights the exact initial values.
+
+    DeepSpeed casts the module to bf16/fp16 first and builds its fp32 master copy from
+    that, so every initial weight is rounded to 16 bits, where ddp starts from the fp32
+    values. Each rank sets its own partition from the full tensor; under ZeRO-3 that is
+    local, under ZeRO-2 too (no collective)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in engine.module.named_parameters():
+        safe_set_full_fp32_param(p, weights[name].to(p.device))
+
+
+def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
+    """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
+    bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
+    calls it, parameters in the same order; only a rank with `keep` (the one that writes)
+    holds the host copy, so the others never carry a second full model."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    full: dict[int, Any] = {}
+    state: dict[str, Any] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
+            value = safe_get_full_fp32_param(p)
+            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone() if keep else None
+        state[name] = full[id(p)]
+    if not keep:
+        return {}
+    persistent = set(module.state_dict().keys())  # buffers as state_dict() has them
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
+    return state

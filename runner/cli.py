@@ -133,11 +133,28 @@ def start(
     except ChildFailedError as err:
         # The failing rank's traceback was printed above by torch elastic's @record.
         rank, failure = err.get_first_failure()
-        message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
-        reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
-        if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
-            reason = f"exit code {failure.exitcode}"
-        raise RunFailed(f"worker rank {rank} failed: {reason}") from None
+        raise RunFailed(f"worker rank {rank} failed: {failure_reason(failure, spec.launch.timeout_minutes)}") from None
+
+
+def failure_reason(failure: Any, timeout_minutes: float) -> str:
+    """One line on why a worker died, from torch elastic's ProcessFailure."""
+    import signal
+
+    message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
+    reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+    if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
+        reason = f"exit code {failure.exitcode}"
+    if failure.exitcode == -signal.SIGABRT:
+        # NCCL's watchdog does not raise in Python when a collective outlives the process
+        # group's timeout: it aborts the process, so there is no traceback to show.
+        reason += (
+            f". On GPUs this is how NCCL ends a collective that waited longer than "
+            f"launch.timeout_minutes={timeout_minutes:g}: a rank is stuck or died. Rerun with launch.debug=true "
+            "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL) or set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
+            "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to see which collective each rank was in; raise launch.timeout_minutes "
+            "if one step is legitimately that slow. See the README section 'On GPUs'"
+        )
+    return reason
 
 
 def _hydra_task(cfg: Any) -> None:

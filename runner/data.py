@@ -12,11 +12,13 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.data_checks import builder_for
 from runner.paths import default_cache_dir
@@ -186,6 +188,54 @@ def _refuse_empty(blocks: "DatasetDict", data: DataSpec, block_size: int) -> Non
         raise UserError(problems)
 
 
+@contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on one cache entry, held while it is built: two nodes sharing a
+    cache folder (NFS and Lustre support flock) tokenize once, not at the same time.
+    Where the filesystem has no locks, building stays safe without one (see _publish)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            log.warning(f"no file locks on {path.parent}; concurrent runs may tokenize twice")
+        try:
+            yield
+        finally:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            except OSError:
+                pass
+
+
+def _unique_name(path: Path, what: str) -> Path:
+    # Host name too: two nodes on one shared folder can have processes with equal pids.
+    return path.with_name(f"{path.name}.{what}-{socket.gethostname()}-{os.getpid()}")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Move a finished entry into place without touching one another process may read.
+
+    A complete entry (with its marker) is never removed: if one appeared meanwhile, ours
+    is discarded. An incomplete leftover (a crash before this scheme) is renamed aside
+    first, so removing it never races a reader (readers only open complete entries)."""
+    if (path / COMPLETE_MARKER).exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if path.exists():
+        aside = _unique_name(path, "stale")
+        path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        tmp.rename(path)  # atomic; fails, never overwrites, if another builder won the race
+    except OSError:
+        if not (path / COMPLETE_MARKER).exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
     """Cached blocks for train and validation; builds them if absent."""
     from datasets import load_from_disk
@@ -195,16 +245,18 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     path = root / cache_key(data, tokenizer, block_size)
     hit = (path / COMPLETE_MARKER).exists()
     if not hit:
-        blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
-        _refuse_empty(blocks, data, block_size)
-        # Build beside the final folder and rename, so a crash never leaves a
-        # half-written entry that a later run would trust.
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        blocks.save_to_disk(str(tmp))
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"block_size": block_size}))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        with _cache_lock(path):
+            hit = (path / COMPLETE_MARKER).exists()  # built by whoever held the lock before us
+            if not hit:
+                blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
+                _refuse_empty(blocks, data, block_size)
+                # Build beside the final folder under a name no other process uses, then
+                # publish: a crash never leaves a half-written entry a later run would trust.
+                tmp = _unique_name(path, "tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                blocks.save_to_disk(str(tmp))
+                (tmp / COMPLETE_MARKER).write_text(json.dumps({"block_size": block_size}))
+                _publish(tmp, path)
     blocks = load_from_disk(str(path))
     train, validation = blocks["train"], blocks["validation"]
     if data.max_train_samples is not None:

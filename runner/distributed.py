@@ -67,6 +67,39 @@ def slurm_node_launch() -> Optional[tuple[int, int, str]]:
     return None
 
 
+def device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device this process trains on, out of the `visible` ones.
+
+    One device per local rank (torchrun, our launcher, srun with all GPUs visible to each
+    task): device `local_rank`. srun with --gpus-per-task=1 or GPU binding shows each task
+    only its own GPU, so the index is 0 whatever the local rank."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU of its own: this process sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Start at most one process per "
+        "visible GPU (launch.nproc_per_node, srun --ntasks-per-node), or give each task one GPU (--gpus-per-task=1)."
+    )
+
+
+def select_device() -> int:
+    """Bind this process to its GPU (see device_index) and return the index."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = device_index(local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    if index != local_rank:
+        # DeepSpeed's engine calls set_device(int(LOCAL_RANK)) itself: with one GPU per
+        # task that ordinal must be the task's only device. Accelerate's local process
+        # index follows, so every task is its node's "local main" (each then reads the
+        # data cache under its lock; see runner/data.py).
+        os.environ["LOCAL_RANK"] = str(index)
+    return index
+
+
 def init_process_group(timeout_minutes: float = 30.0) -> None:
     """Initialise torch.distributed from the environment (Accelerate reuses it)."""
     import torch
@@ -75,7 +108,7 @@ def init_process_group(timeout_minutes: float = 30.0) -> None:
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        select_device()
         backend = "nccl"
     else:
         backend = "gloo"

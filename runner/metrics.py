@@ -58,23 +58,48 @@ class Progress:
             self.bar.close()
 
 
-def peak_memory_mb(device: Any = None) -> float:
-    """Peak memory of this rank: CUDA max allocated on a GPU, else the process's peak RSS."""
+def _is_cuda(device: Any) -> bool:
+    return device is not None and getattr(device, "type", str(device)) == "cuda"
+
+
+# The run's CUDA peak so far, per device: window_peak_memory_mb resets torch's peak
+# counter each window, so the whole run's peak is kept here.
+_run_peak_mb: dict[str, float] = {}
+
+
+def window_peak_memory_mb(device: Any = None) -> float:
+    """Peak memory of this rank since the previous call (one log window). On a GPU:
+    CUDA's peak *reserved* memory (allocated plus the caching allocator's cache: what
+    the driver gave this process, what an out-of-memory error depends on), then the
+    counter is reset. On a CPU: the process's peak RSS, which the OS cannot reset."""
     import torch
 
-    if device is not None and getattr(device, "type", str(device)) == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    if not _is_cuda(device):
+        return peak_memory_mb(device)
+    peak = torch.cuda.max_memory_reserved(device) / 2**20
+    key = str(device)
+    _run_peak_mb[key] = max(_run_peak_mb.get(key, 0.0), peak)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def peak_memory_mb(device: Any = None) -> float:
+    """Peak memory of this rank over the run: CUDA max reserved on a GPU, else the process's peak RSS."""
+    import torch
+
+    if _is_cuda(device):
+        return max(_run_peak_mb.get(str(device), 0.0), torch.cuda.max_memory_reserved(device) / 2**20)
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def current_memory_mb(device: Any = None) -> float:
-    """Memory this rank holds now: CUDA allocated on a GPU, else the process's resident set."""
+    """Memory this rank holds now: CUDA reserved on a GPU, else the process's resident set."""
     import torch
 
-    if device is not None and getattr(device, "type", str(device)) == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
+    if _is_cuda(device):
+        return torch.cuda.memory_reserved(device) / 2**20
     try:
         with open("/proc/self/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -122,11 +147,12 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         ("train_mfu", "MFU"),
         ("peak_memory_mb", "peak memory (MB/rank)"),
     ]
-    rows = [
-        (label, f"{100 * results[key]:.2f}%" if key == "train_mfu" else _fmt(results[key]))
-        for key, label in keys
-        if results.get(key) is not None
-    ]
+    def shown(key: str) -> str:
+        if key == "train_mfu":  # present but None: the device's peak is not known
+            return "unknown" if results[key] is None else f"{100 * results[key]:.2f}%"
+        return _fmt(results[key])
+
+    rows = [(label, shown(key)) for key, label in keys if results.get(key) is not None or (key == "train_mfu" and key in results)]
     width = max(len(label) for label, _ in rows)
     value_width = max(len(v) for _, v in rows)
     rule = "-" * (width + value_width + 5)

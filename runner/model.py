@@ -134,11 +134,14 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
 
 
 def count_parameters(model: "PreTrainedModel") -> int:
+    """Every parameter once, at its full size, whatever the strategy."""
     # Tied weights (GPT-2's lm_head and wte) are one tensor; count it once.
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            total += p.numel()
+            # Under ZeRO-3 a partitioned parameter is an empty placeholder (numel() 0);
+            # DeepSpeed keeps its full size in ds_numel.
+            total += int(getattr(p, "ds_numel", p.numel()))
     return total

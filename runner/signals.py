@@ -1,8 +1,14 @@
 """SIGTERM / SIGINT: finish the current step, checkpoint, exit non-zero.
 
 Preemption on clusters is a SIGTERM followed, some seconds later, by SIGKILL. Each
-rank only notes the signal; at the next optimizer-step boundary all ranks agree
-(one tiny all-reduce) to stop together at the same step.
+rank only notes the signal; at optimizer-step boundaries all ranks agree to stop
+together at the same step.
+
+The agreement must not make the host wait for the GPU every step (an all-reduce of a
+CUDA tensor read back with .item() does). So it runs on the host: a gloo group of its
+own, CPU tensors, started without waiting at one boundary and read at the next, by
+which time the other ranks have long sent their part. Every rank reads the same sum
+at the same boundary, so all stop at the same step, one step after the signal.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self._previous: dict[int, Any] = {}
+        self._group: Any = None  # gloo process group for the agreement (multi-process only)
+        self._pending: Optional[tuple[Any, Any]] = None  # (async all-reduce, its CPU tensor)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is not None and signum == signal.SIGINT:
@@ -41,13 +49,24 @@ class StopRequest:
         self._previous.clear()
 
     def agreed(self, accelerator: "Accelerator") -> Optional[int]:
-        """The signal to stop for, if any rank received one (same answer on every rank)."""
+        """The signal to stop for, if any rank had received one by the previous boundary
+        (the same answer on every rank)."""
         if accelerator.num_processes == 1:
             return self.signum
         import torch
+        import torch.distributed as dist
 
-        flag = torch.tensor([self.signum or 0], device=accelerator.device)
-        agreed = int(accelerator.reduce(flag, reduction="sum").item())
+        if self._group is None:
+            # Collective: every rank reaches its first boundary. A group of its own, also
+            # on CPU runs, so the pending reduce never sits between DDP's own collectives.
+            self._group = dist.new_group(backend="gloo")
+        agreed = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()  # host-side only: gloo, CPU tensor
+            agreed = int(flag.item())
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
+        self._pending = (dist.all_reduce(flag, group=self._group, async_op=True), flag)
         if agreed and self.signum is None:
             self.signum = signal.SIGTERM
         return self.signum if agreed else None

@@ -213,7 +213,8 @@ class StrategySpec:
     offload_params: OffloadDevice = OffloadDevice.none
     """ZeRO-3 only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu."""
     zero3_save_16bit_model: bool = True
-    """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model."""
+    """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model.
+    Must stay true: model/ is always the full fp32 weights (false is refused)."""
     config_file: Optional[str] = None
     """An accelerate config YAML (as `accelerate config` writes) to read the strategy,
     precision, accumulation, clipping and process layout from (strategy=accelerate_config)."""

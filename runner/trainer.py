@@ -18,7 +18,7 @@ import torch
 
 from runner.accel import backward, global_grad_norm, optimizer_step
 from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
-from runner.metrics import MetricsWriter, Progress, current_memory_mb, peak_memory_mb, perplexity
+from runner.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.plan import RunPlan
 from runner.signals import StopRequest, Stopped
 from runner.spec import PrecisionSpec
@@ -328,7 +328,7 @@ class Trainer:
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
         tokens_per_s = rate * plan.tokens_per_step
         device = self.accelerator.device
-        memory = self.accelerator.gather(torch.tensor([[peak_memory_mb(device), current_memory_mb(device)]], device=device))
+        memory = self.accelerator.gather(torch.tensor([[window_peak_memory_mb(device), current_memory_mb(device)]], device=device))
         record = {
             "step": s.step,
             "epoch": round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
@@ -338,7 +338,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "samples_per_s": rate * plan.global_batch_size,
             "mfu": self.mfu(tokens_per_s),
-            "peak_memory_mb": [round(float(v), 1) for v in memory[:, 0].cpu()],  # one per rank
+            "peak_memory_mb": [round(float(v), 1) for v in memory[:, 0].cpu()],  # one per rank, this window (GPU)
             "memory_mb": [round(float(v), 1) for v in memory[:, 1].cpu()],  # held now, one per rank
         }
         scale = self._loss_scale()

@@ -179,8 +179,6 @@ def check_machine(spec: RunSpec) -> list[str]:
             "precision=fp16 needs a GPU: on a CPU Accelerate would silently compute in fp32. "
             "Use precision=bf16 (real bf16 autocast on CPU) or precision=fp32."
         )
-    if spec.precision.kind is PrecisionKind.bf16 and cuda and not torch.cuda.is_bf16_supported():
-        problems.append("precision=bf16: this GPU has no bf16 support. Use precision=fp16 or precision=fp32.")
     return problems
 
 
@@ -251,6 +249,37 @@ def check_accelerate_environment(spec: RunSpec) -> list[str]:
     return p
 
 
+def check_gpu_precision(spec: RunSpec) -> list[str]:
+    """bf16 needs an Ampere or newer GPU (compute capability 8.0+) on every visible device.
+    torch.cuda.is_bf16_supported() also counts emulation, which runs bf16 on a V100 or
+    T4 many times slower than fp16, so the capability is what is checked."""
+    import torch
+
+    if spec.precision.kind is not PrecisionKind.bf16 or not torch.cuda.is_available():
+        return []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < (8, 0):
+            name = torch.cuda.get_device_name(index)
+            return [
+                f"precision=bf16 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor} "
+                "and would only emulate bf16, slowly. Use precision=fp16 (loss scaling) or precision=fp32."
+            ]
+    return []
+
+
+def check_zero_save(spec: RunSpec) -> list[str]:
+    """model/ is always written as full fp32 weights gathered from ZeRO's master copy
+    (runner/accel.py zero_fp32_state_dict), so the 16-bit gather cannot be turned off;
+    refused here rather than found out after training."""
+    if spec.strategy.kind is StrategyKind.zero3 and not spec.strategy.zero3_save_16bit_model:
+        return [
+            "strategy.zero3_save_16bit_model=false is not supported: runner always writes model/ as full fp32 "
+            "weights gathered from every rank. Remove the override (or set strategy.zero3_save_16bit_model=true)."
+        ]
+    return []
+
+
 def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
     """train.global_batch_size -> train.grad_accum_steps (written into the frozen spec)."""
     t = spec.train
@@ -274,7 +303,8 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
 
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
-    check_names, check_numbers, check_launch, check_strategy, check_accelerate_environment, check_machine, check_data_source, check_model,
+    check_names, check_numbers, check_launch, check_strategy, check_accelerate_environment, check_machine,
+    check_gpu_precision, check_zero_save, check_data_source, check_model,
 )
 
 

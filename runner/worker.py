@@ -22,12 +22,14 @@ log = logging.getLogger("runner")
 
 def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
     """(train loader, eval loader, the train sampler whose epoch the trainer sets)."""
+    import torch
     from torch.utils.data import DataLoader
 
     from runner.data import EpochSampler, collate
     from runner.rng import loader_generator
 
     t = spec.train
+    pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accel.dataloader_config) can overlap
     sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
     train = DataLoader(
         data.train,
@@ -37,6 +39,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         num_workers=t.dataloader_num_workers,
         drop_last=False,
         generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/rng.py)
+        pin_memory=pin,
     )
     evaluation = DataLoader(
         data.validation,
@@ -45,6 +48,7 @@ def _loaders(spec: RunSpec, data: Any) -> tuple[Any, Any, Any]:
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
         generator=loader_generator(t.seed),
+        pin_memory=pin,
     )
     return train, evaluation, sampler
 
@@ -94,9 +98,17 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir: Path) -> Path:
-    """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM."""
+    """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM; fp32 weights
+    whatever the strategy (under ZeRO, its fp32 master weights gathered from every rank)."""
+    from accelerate.utils import DistributedType
+
+    from runner.accel import zero_fp32_state_dict
+
     out = run_dir / "model"
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank calls
+    if accelerator.state.distributed_type == DistributedType.DEEPSPEED:
+        state_dict = zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective
+    else:
+        state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
@@ -156,6 +168,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm,
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
+        per_device_batch_size=t.per_device_batch_size,
     )
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec))
@@ -171,7 +184,13 @@ def train(spec: RunSpec) -> dict[str, Any]:
     train_loader, eval_loader, sampler = _loaders(spec, data)
     lr = effective_lr(spec.optim, global_batch(t, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
+    from runner.accel import fp32_copy, is_zero, set_zero_master_weights
+
+    initial = fp32_copy(model) if is_zero(spec.strategy) and accelerator.mixed_precision != "no" else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if initial is not None:
+        set_zero_master_weights(model, initial)  # ZeRO starts from the same fp32 weights as ddp
+        del initial
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
     optimizer_in_use = check_engaged(accelerator, model, optimizer, spec, planned_world_size(spec.launch))
@@ -193,6 +212,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
         log.info(banner(plan, str(run_dir)) + f"\n  optimizer      {optimizer_in_use}{swapped}")
 
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see optim.py), so saved explicitly
+    device_peak = peak_flops(accelerator.device, spec.precision.kind.value)
+    if device_peak is None and accelerator.is_main_process:
+        log.warning(f"MFU: unknown ({torch.cuda.get_device_name(accelerator.device)} is not in runner/flops.py's peak table)")
     trainer = Trainer(
         accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
         max_grad_norm=spec.optim.max_grad_norm,
@@ -204,7 +226,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         sampler=sampler,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size),
-        peak_flops=peak_flops(accelerator.device, spec.precision.kind.value) * accelerator.num_processes,
+        peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
     )
     # Each rank's random state: seeded here for the loop, saved with every checkpoint,
     # and restored by load_checkpoint below, after all setup (see runner/rng.py).

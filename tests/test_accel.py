@@ -127,3 +127,79 @@ def test_unwrap_leaves_torch_compile_over_ddp_intact():
         assert compiled._orig_mod is bare  # DDP is gone from the live model: why runner never calls it so
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- DeepSpeed config (a GPU spec, built on CPU)
+def _values(node):
+    for value in node.values():
+        yield from _values(value) if isinstance(value, dict) else [value]
+
+
+def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8, per_device=4, accum=2):
+    """What a DeepSpeed engine on `world_size` GPUs would read: our config through
+    Accelerate's plugin, its mixed-precision step, its prepare()-time filling of
+    "auto" values (the same keyword arguments Accelerate 1.15 passes), then
+    DeepSpeed's own parser with the world size monkeypatched."""
+    import deepspeed.runtime.config as ds_config
+
+    from runner.accel import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
+
+    plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size))
+    plugin.set_mixed_precision(MIXED_PRECISION[precision.kind])
+    plugin.deepspeed_config_process(
+        must_match=False,
+        gradient_clipping=1.0,  # Accelerate's fill-in for an "auto" clipping value
+        train_micro_batch_size_per_gpu=per_device,
+        train_batch_size=per_device * accum * world_size,
+        **{"zero_optimization.stage3_gather_16bit_weights_on_model_save": False},
+    )
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: world_size)
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    return plugin.deepspeed_config, ds_config.DeepSpeedConfig(plugin.deepspeed_config)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+@pytest.mark.parametrize("kind", [StrategyKind.zero2, StrategyKind.zero3], ids=lambda k: k.value)
+def test_zero_clips_exactly_as_asked_and_leaves_nothing_auto(kind, max_grad_norm, monkeypatch):
+    raw, parsed = _engine_config(StrategySpec(kind=kind), PrecisionSpec(kind=PrecisionKind.bf16), max_grad_norm, monkeypatch)
+    assert "auto" not in list(_values(raw))
+    assert parsed.gradient_clipping == max_grad_norm  # 0 means no clipping, as under ddp
+    assert parsed.zero_optimization_stage == {StrategyKind.zero2: 2, StrategyKind.zero3: 3}[kind]
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps, parsed.train_batch_size) == (4, 2, 64)
+
+
+@pytest.mark.parametrize("precision", list(PrecisionKind), ids=lambda p: p.value)
+def test_zero_precision_sections(precision, monkeypatch):
+    raw, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(kind=precision), 1.0, monkeypatch)
+    assert parsed.float16_config.enabled is (precision is PrecisionKind.fp16)
+    assert parsed.bfloat16_config.enabled is (precision is PrecisionKind.bf16)
+    if precision is PrecisionKind.fp16:
+        # Dynamic scaling like torch's GradScaler under ddp: 2**16, halve per overflow, grow after 2000.
+        fp16 = parsed.float16_config
+        assert (fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis) == (0.0, 16, 2000, 1)
+
+
+def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
+    from runner.spec import OffloadDevice
+
+    strategy = StrategySpec(kind=StrategyKind.zero3, offload_optimizer=OffloadDevice.cpu, offload_params=OffloadDevice.cpu)
+    _, parsed = _engine_config(strategy, PrecisionSpec(kind=PrecisionKind.fp16), 1.0, monkeypatch)
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    assert parsed.zero_config.offload_param.device == "cpu"
+    assert parsed.zero_config.gather_16bit_weights_on_model_save is True  # Accelerate's False fill-in did not win
+    _, plain = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch)
+    assert plain.zero_config.offload_optimizer is None or plain.zero_config.offload_optimizer.device == "none"
+    assert plain.zero_config.offload_param is None
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
+    """The prepared loader copies with non_blocking=True on a GPU (Accelerate's
+    DataLoaderShard passes its flag to send_to_device); on a CPU there is nothing to overlap."""
+    from accelerate import Accelerator
+
+    from runner.accel import dataloader_config
+
+    accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cuda))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=4))
+    assert loader._non_blocking is cuda

@@ -131,3 +131,47 @@ def test_corpus_shorter_than_one_block(capsys, tmp_path):
     (tmp_path / "tiny.txt").write_text("Too short.\n" * 3)
     assert_refused(capsys, tmp_path, f"data.train_file={tmp_path}/tiny.txt", "data.validation_split_percentage=50",
                    "data.block_size=64", expect="shorter than one block of 64 tokens")
+
+
+def _failure(exitcode, tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    # No error file: what torch elastic records for a worker killed by a signal.
+    return ProcessFailure(local_rank=1, pid=4242, exitcode=exitcode, error_file=str(tmp_path / "none.json"))
+
+
+def test_a_worker_killed_by_sigabrt_is_explained_as_a_possible_nccl_timeout(tmp_path):
+    from runner.cli import failure_reason
+
+    reason = failure_reason(_failure(-6, tmp_path), timeout_minutes=45)
+    assert reason.startswith("Signal 6 (SIGABRT)")
+    for text in ("launch.timeout_minutes=45", "NCCL_DEBUG=INFO", "TORCH_NCCL_TRACE_BUFFER_SIZE", "launch.debug=true"):
+        assert text in reason
+    assert "\n" not in reason  # one message
+
+
+def test_other_failures_keep_their_own_reason(tmp_path):
+    from runner.cli import failure_reason
+
+    reason = failure_reason(_failure(-9, tmp_path), timeout_minutes=30)
+    assert reason.startswith("Signal 9 (SIGKILL)") and "NCCL" not in reason
+
+
+@pytest.mark.slow
+def test_cli_fed_a_worker_that_aborts_names_the_timeout_and_nccl_variables(tmp_path):
+    """Rank 1 dies of SIGABRT (exit -6), as under NCCL's watchdog: the launcher's one line says what to do."""
+    import os
+
+    from conftest import MICRO, patch_train_step
+
+    env = patch_train_step(tmp_path, 'os.environ.get("RANK") == "1" and self.state.step >= 1', "os.abort()")
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", *MICRO, "launch.nproc_per_node=2", "train.per_device_batch_size=4",
+         "launch.timeout_minutes=7", "tracking=none", f"hydra.run.dir={tmp_path / 'abort'}"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, **env},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    line = [ln for ln in done.stderr.splitlines() if ln.startswith("runner: worker rank 1 failed")]
+    assert len(line) == 1, done.stderr[-3000:]
+    assert "SIGABRT" in line[0] and "launch.timeout_minutes=7" in line[0] and "NCCL_DEBUG=INFO" in line[0]
+    assert "TORCH_NCCL_" in line[0]

@@ -111,3 +111,63 @@ def test_max_samples_limit_blocks(tmp_path, tokenizer):
     spec = DataSpec(train_file=train, cache_dir=str(tmp_path / "cache"), max_train_samples=5, max_eval_samples=2)
     data = prepare(spec, tokenizer, 8)
     assert (len(data.train), len(data.validation)) == (5, 2)
+
+
+def _prepare_in_process(train: str, cache: str, results: dict, name: str) -> None:
+    """One 'node': its own process (as on another machine), the same shared cache folder."""
+    tokenizer = AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
+    data = prepare(DataSpec(train_file=train, cache_dir=cache), tokenizer, 8)
+    results[name] = (data.cache_hit, [r["input_ids"].tolist() for r in data.train])
+
+
+@pytest.mark.slow
+def test_two_nodes_tokenizing_into_one_shared_cache_build_it_once(tmp_path):
+    import multiprocessing
+
+    train = _write(tmp_path / "t.txt", [f"Line {i} of a corpus read by two nodes at once." for i in range(3000)])
+    cache = tmp_path / "cache"
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        nodes = [context.Process(target=_prepare_in_process, args=(train, str(cache), results, n)) for n in ("a", "b")]
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.join(300)
+        got = dict(results)
+    assert [node.exitcode for node in nodes] == [0, 0]
+    assert sorted(hit for hit, _ in got.values()) == [False, True]  # one built, the other waited and read it
+    assert got["a"][1] == got["b"][1]
+    assert [p.name for p in cache.iterdir() if ".tmp-" in p.name or ".stale-" in p.name] == []
+
+
+def _entry(folder: Path, content: str, complete: bool) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "data.arrow").write_text(content)
+    if complete:
+        (folder / "COMPLETE").write_text("{}")
+    return folder
+
+
+def test_a_complete_entry_that_appears_meanwhile_is_never_replaced(tmp_path):
+    """Two builders without a working file lock (some shared filesystems) both finish:
+    the second one's copy is discarded, and the first one's files, which another node
+    may already be reading, are left untouched."""
+    from runner.data import _publish
+
+    path = _entry(tmp_path / "key", "winner", complete=True)
+    inode = (path / "data.arrow").stat().st_ino
+    loser = _entry(tmp_path / "key.tmp-other-1", "loser", complete=True)
+    _publish(loser, path)
+    assert (path / "data.arrow").read_text() == "winner" and (path / "data.arrow").stat().st_ino == inode
+    assert not loser.exists()
+
+
+def test_an_incomplete_leftover_is_replaced(tmp_path):
+    from runner.data import _publish
+
+    path = _entry(tmp_path / "key", "half-written", complete=False)
+    fresh = _entry(tmp_path / "key.tmp-here-2", "fresh", complete=True)
+    _publish(fresh, path)
+    assert (path / "data.arrow").read_text() == "fresh" and (path / "COMPLETE").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key"]

@@ -11,3 +11,46 @@ def test_summary_shows_mfu_as_a_percentage_and_skips_what_is_missing():
     assert any(line.split() == ["MFU", "23.58%"] for line in lines)
     assert any(line.split() == ["peak", "memory", "(MB/rank)", "2,282"] for line in lines)
     assert "eval loss" not in table and "outputs in /run" in table
+
+
+def test_summary_says_unknown_when_the_mfu_cannot_be_known():
+    table = summary_table({"train_loss": 6.8, "train_mfu": None}, Path("/run"))
+    assert any(line.split() == ["MFU", "unknown"] for line in table.splitlines())
+
+
+class _FakeCuda:
+    """torch.cuda's memory counters for one device: reserved memory with a peak that
+    reset_peak_memory_stats brings back to the current value (torch's semantics)."""
+
+    def __init__(self) -> None:
+        self.reserved, self.peak = 0, 0
+
+    def hold(self, mib: int) -> None:
+        self.reserved = mib * 2**20
+        self.peak = max(self.peak, self.reserved)
+
+    def install(self, monkeypatch) -> None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)  # must not be what we report
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.reserved))
+
+
+def test_gpu_peak_memory_is_per_window_reserved_and_the_run_peak_survives(monkeypatch):
+    import torch
+
+    from runner import metrics
+
+    monkeypatch.setattr(metrics, "_run_peak_mb", {})
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    device = torch.device("cuda", 0)
+    cuda.hold(3000)
+    cuda.hold(1000)
+    assert metrics.window_peak_memory_mb(device) == 3000  # reserved, not allocated
+    assert metrics.current_memory_mb(device) == 1000
+    cuda.hold(1500)
+    assert metrics.window_peak_memory_mb(device) == 1500  # the first window's peak is gone
+    assert metrics.peak_memory_mb(device) == 3000  # the whole run's peak is kept

@@ -1,0 +1,60 @@
+"""MFU's peak FLOP/s on GPUs: the table, TF32, and unknown GPUs (CUDA queries monkeypatched)."""
+
+import pytest
+import torch
+
+from runner import flops
+from runner.flops import gpu_peak_tflops, peak_flops
+
+# Device names as torch.cuda.get_device_name() reports them on these GPUs.
+NAMES = {
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "fp32": 66.9},  # SXM5
+    "NVIDIA H100 PCIe": {"bf16": 756.5, "fp32": 51.2},
+    "NVIDIA H100 NVL": {"bf16": 835.5, "fp32": 60.0},
+    "NVIDIA H200": {"bf16": 989.4, "fp32": 66.9},
+    "NVIDIA B200": {"bf16": 2250.0, "fp32": 75.0},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp32": 19.5},
+    "NVIDIA A40": {"bf16": 149.7, "fp32": 37.4},
+    "NVIDIA RTX A6000": {"bf16": 154.8, "fp32": 38.7},
+    "NVIDIA RTX 6000 Ada Generation": {"bf16": 364.2, "fp32": 91.1},
+    "NVIDIA L40": {"bf16": 181.0, "fp32": 90.5},
+    "NVIDIA L40S": {"bf16": 362.1, "fp32": 91.6},
+    "NVIDIA L4": {"bf16": 121.0, "fp32": 30.3},
+    "Tesla V100-SXM2-32GB": {"fp16": 125.0, "fp32": 15.7},
+    "Tesla T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_gpu_gets_its_own_row(name):
+    for dtype, tflops in NAMES[name].items():
+        assert gpu_peak_tflops(name, dtype, tf32=False) == tflops
+
+
+def test_similar_names_do_not_borrow_each_others_figures():
+    assert gpu_peak_tflops("NVIDIA L40", "bf16", False) != gpu_peak_tflops("NVIDIA L4", "bf16", False)
+    assert gpu_peak_tflops("NVIDIA H100 PCIe", "bf16", False) < gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16", False)
+
+
+def test_fp32_counts_tf32_peak_only_when_tf32_is_on():
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32", tf32=False) == 19.5
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32", tf32=True) == 156.0
+
+
+@pytest.mark.parametrize("name,dtype", [("Quadro RTX 8000", "bf16"), ("NVIDIA GH200 480GB", "bf16"), ("NVIDIA GB200", "bf16"), ("Tesla T4", "bf16")])
+def test_unknown_gpu_or_dtype_has_no_peak(name, dtype):
+    assert gpu_peak_tflops(name, dtype, tf32=False) is None
+
+
+def test_peak_flops_on_a_monkeypatched_gpu_never_probes(monkeypatch):
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a GPU must not fall back to the matmul probe")
+
+    monkeypatch.setattr(flops, "_probe", no_probe)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    device = torch.device("cuda", 0)
+    assert peak_flops(device, "bf16") == pytest.approx(989.4e12)
+    assert peak_flops(device, "fp32") == pytest.approx(66.9e12)  # torch's default: TF32 off
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops(device, "bf16") is None
