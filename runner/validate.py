@@ -143,6 +143,7 @@ def check_machine(spec: RunSpec) -> list[str]:
         problems.append(f"launch.nproc_per_node={nproc} must be 'auto' or a whole number >= 1.")
     _positive(problems, spec.launch.nnodes, "launch.nnodes")
     _positive(problems, spec.launch.timeout_minutes, "launch.timeout_minutes")
+    _positive(problems, spec.launch.rdzv_timeout, "launch.rdzv_timeout")
     if not 0 <= spec.launch.node_rank < max(spec.launch.nnodes, 1):
         problems.append(f"launch.node_rank={spec.launch.node_rank} must be in 0..launch.nnodes-1.")
     if spec.launch.nnodes > 1 and not spec.launch.rdzv_endpoint:
