@@ -112,3 +112,49 @@ def test_two_hosts_match_single_host_ddp(cluster, single_host_ddp, tmp_path, str
           file=sys.stderr)
     assert len(got) == len(single_host_ddp) == 8
     assert got == pytest.approx(single_host_ddp, abs=1e-4)
+
+
+def test_two_hosts_given_different_overrides_stop_at_once_naming_the_keys(cluster, tmp_path):
+    common = [*TWO_HOSTS, f"hydra.run.dir={tmp_path / 'run'}"]
+    started = time.monotonic()
+    results = run_two_hosts(cluster, [[*common, "launch.node_rank=0"],
+                                      [*common, "launch.node_rank=1", "optim.lr=0.001", "train.max_steps=9"]],
+                            timeout=300)
+    print(f"\ndifferent overrides: both hosts stopped after {time.monotonic() - started:.1f} s", file=sys.stderr)
+    assert all(code != 0 for code, _ in results), "\n".join(out[-2000:] for _, out in results)
+    node1 = results[1][1]
+    assert "was started with a different spec than rank 0" in node1, node1[-3000:]
+    assert "optim.lr: 0.001 here, 0.002 on rank 0" in node1 and "train.max_steps: 9 here, 8 on rank 0" in node1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or losses(tmp_path / "run") == []
+
+
+def _slurm(env: dict[str, str], *command: str, timeout: int = 60) -> str:
+    done = subprocess.run(list(command), capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, f"{command}: {done.stderr}"
+    return done.stdout
+
+
+def test_readme_sbatch_script_trains_across_both_nodes(cluster, single_host_ddp, tmp_path):
+    """The README's script as written (srun runner ..., one task per node), with sbatch -N 2."""
+    import shlex
+
+    script = tmp_path / "train.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=1\n"
+        f"#SBATCH --output={tmp_path}/slurm-%j.out\n"
+        f"srun runner {' '.join(shlex.quote(o) for o in MICRO)} launch.nproc_per_node=1 "
+        f"hydra.run.dir={tmp_path}/runs/$SLURM_JOB_ID\n"
+    )
+    started = time.monotonic()
+    job = _slurm(cluster, "sbatch", "-N", "2", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
+    elapsed = time.monotonic() - started
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "ddp on 2 process(es)" in log, log[-3000:]
+    got = losses(tmp_path / "runs" / job)
+    delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
+    print(f"\nsbatch -N 2: job {job} in {elapsed:.1f} s, max |loss - single-host ddp| = {delta:.2e}", file=sys.stderr)
+    assert got == pytest.approx(single_host_ddp, abs=1e-4) and len(got) == 8
+    # Both nodes ran a task of the step (sacct, through slurmdbd).
+    steps = _slurm(cluster, "sacct", "-j", job, "-n", "-P", "-o", "JobID,State,NodeList")
+    assert f"{job}.0|COMPLETED|rtc-node[1-2]" in steps, steps
