@@ -81,6 +81,8 @@ SlurmctldHost=$CTL($SUBNET.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire+1 s before it may start again (default 120).
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 # No cgroups here: plain process tracking, no task binding.

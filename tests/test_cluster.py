@@ -158,3 +158,66 @@ def test_readme_sbatch_script_trains_across_both_nodes(cluster, single_host_ddp,
     # Both nodes ran a task of the step (sacct, through slurmdbd).
     steps = _slurm(cluster, "sacct", "-j", job, "-n", "-P", "-o", "JobID,State,NodeList")
     assert f"{job}.0|COMPLETED|rtc-node[1-2]" in steps, steps
+
+
+def _wait(what: str, check, seconds: int, every: float = 1.0):
+    """Poll `check` until it returns something truthy; at most `seconds` (and that many polls)."""
+    deadline = time.monotonic() + seconds
+    for _ in range(int(seconds / every) + 1):
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            break
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {seconds} s")
+
+
+def _losses_by_step(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_a_requeued_job_resumes_by_itself_and_matches_an_uninterrupted_run(cluster, tmp_path):
+    """scontrol requeue: the job checkpoints at the signal, comes back with the same job ID
+    and resumes from that checkpoint (resume=auto, run folder named by the job ID)."""
+    import shlex
+
+    steps = 20
+    overrides = [o for o in MICRO if not o.startswith("train.max_steps")] + [f"train.max_steps={steps}", "launch.nproc_per_node=1"]
+    reference = tmp_path / "uninterrupted"
+    done = subprocess.run([sys.executable, "-m", "runner", *[o.replace("launch.nproc_per_node=1", "launch.nproc_per_node=2") for o in overrides],
+                           f"hydra.run.dir={reference}"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    script = tmp_path / "train.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append\n"
+        f"#SBATCH --output={tmp_path}/slurm-%j.out\n"
+        f"srun runner {' '.join(shlex.quote(o) for o in overrides)} resume=auto hydra.run.dir={tmp_path}/runs/$SLURM_JOB_ID\n"
+    )
+    job = _slurm(cluster, "sbatch", "--parsable", str(script)).strip().split(";")[0]
+    run_dir, log = tmp_path / "runs" / job, tmp_path / f"slurm-{job}.out"
+    try:
+        _wait("three steps trained", lambda: len(_losses_by_step(run_dir)) >= 3, 600)
+        requeued = time.monotonic()
+        _slurm(cluster, "scontrol", "requeue", job)
+        _wait("resumed after the requeue", lambda: "resumed from" in log.read_text(), 600)
+        resumed = time.monotonic()
+        _wait("job completed", lambda: "JobState=COMPLETED" in _slurm(cluster, "scontrol", "show", "job", job), 600, every=2)
+    finally:
+        subprocess.run(["scancel", job], env=cluster, capture_output=True)
+    text = log.read_text()
+    stopped = [line for line in text.splitlines() if line.startswith("runner: stopped by SIGTERM at step")]
+    assert stopped, text[-3000:]
+    at_step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert f"resumed from {run_dir}/checkpoints/step_{at_step} at step {at_step}" in text
+    assert "Restarts=1" in _slurm(cluster, "scontrol", "show", "job", job)  # the same job, run again
+    got, expected = _losses_by_step(run_dir), _losses_by_step(reference)
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
+    delta = max(abs(got[s] - expected[s]) for s in expected)
+    print(f"\nrequeue: stopped at step {at_step}, resumed {resumed - requeued:.1f} s after scontrol requeue, "
+          f"max |loss - uninterrupted| = {delta:.2e}", file=sys.stderr)
+    assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(expected)], abs=1e-4)
