@@ -221,3 +221,39 @@ def test_a_requeued_job_resumes_by_itself_and_matches_an_uninterrupted_run(clust
     print(f"\nrequeue: stopped at step {at_step}, resumed {resumed - requeued:.1f} s after scontrol requeue, "
           f"max |loss - uninterrupted| = {delta:.2e}", file=sys.stderr)
     assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(expected)], abs=1e-4)
+
+
+def test_a_submitit_sweep_runs_its_jobs_on_slurm_like_a_local_sweep(cluster, tmp_path):
+    """`runner -m ... hydra/launcher=submitit_slurm`: both jobs run as Slurm jobs on the
+    cluster's nodes, and the sweep summary equals the same sweep run locally."""
+    sweep = ["-m", *MICRO, "precision=fp32,bf16"]
+    local = subprocess.run([sys.executable, "-m", "runner", *sweep, f"hydra.sweep.dir={tmp_path / 'local'}"],
+                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    started = time.monotonic()
+    slurm = subprocess.run(
+        [sys.executable, "-m", "runner", *sweep, "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 'slurm'}",
+         "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=cluster)
+    elapsed = time.monotonic() - started
+    assert slurm.returncode == 0, slurm.stderr[-3000:]
+    assert "runner: sweep summary" in slurm.stdout and (tmp_path / "slurm" / "summary.md").is_file()
+    # Each job ran through Slurm (sacct, via slurmdbd) on a node of the cluster.
+    # submitit returns once the results are written, a moment before Slurm marks the jobs done.
+    submitit_jobs = {p.name for p in (tmp_path / "slurm" / ".submitit").iterdir()}
+
+    def finished() -> list[list[str]]:
+        jobs = [line.split("|") for line in _slurm(cluster, "sacct", "-a", "-X", "-n", "-P", "-o", "JobID,State,NodeList").splitlines()]
+        ran = [j for j in jobs if j[0].split("_")[0] in submitit_jobs]
+        return ran if len(ran) == 2 and all(state not in ("PENDING", "RUNNING", "COMPLETING") for _, state, _ in ran) else []
+
+    ran = _wait("both sweep jobs finished in sacct", finished, 120, every=2)
+    assert all(state == "COMPLETED" and node.startswith("rtc-node") for _, state, node in ran), ran
+    deltas = []
+    for job in ("0", "1"):
+        here = json.loads(next((tmp_path / "local").glob(f"{job}_*/all_results.json")).read_text())
+        there = json.loads(next((tmp_path / "slurm").glob(f"{job}_*/all_results.json")).read_text())
+        deltas += [abs(here[k] - there[k]) for k in ("train_loss", "eval_loss")]
+        assert there["eval_loss"] == pytest.approx(here["eval_loss"], abs=1e-4)
+        assert there["train_loss"] == pytest.approx(here["train_loss"], abs=1e-4)
+    print(f"\nsubmitit sweep on Slurm: 2 jobs in {elapsed:.1f} s, max |loss - local sweep| = {max(deltas):.2e}", file=sys.stderr)
