@@ -17,7 +17,8 @@ import pytest
 
 from conftest import MICRO
 from runner.errors import UserError
-from runner.launch import check_endpoint, free_port, rendezvous_configs
+from runner.launch import free_port
+from runner.rendezvous import check_endpoint, rendezvous_configs
 from runner.spec import LaunchSpec
 
 TWO_NODES = ["launch.nnodes=2", "launch.nproc_per_node=1"]
