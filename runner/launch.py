@@ -16,7 +16,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from runner.errors import UserError
 from runner.paths import default_cache_dir
+from runner.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.spec import LaunchSpec, RunSpec
 
 
@@ -137,8 +139,7 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
         run_id=uuid.uuid5(uuid.NAMESPACE_URL, f"runner:{endpoint}").hex[:12],
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        # Node 0 hosts the rendezvous store; the others connect to it.
-        rdzv_configs={"is_host": spec.launch.node_rank == 0} if multi_node else {},
+        rdzv_configs=rendezvous_configs(spec.launch) if multi_node else {},
         max_restarts=spec.launch.max_restarts,
         start_method="spawn",
         monitor_interval=0.5,
@@ -148,5 +149,12 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
     # UserError is already printed, and start() names the rank and its exit code.
     import logging
 
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    elastic_launch(config, _worker_entry)(str(spec_path))
+    if multi_node:
+        check_endpoint(spec.launch, endpoint)
+    try:
+        elastic_launch(config, _worker_entry)(str(spec_path))
+    except RendezvousError as err:
+        raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -189,6 +189,10 @@ class LaunchSpec:
     """This machine's index, 0..nnodes-1."""
     rdzv_endpoint: Optional[str] = None
     """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
+    rdzv_timeout: int = 900
+    """Seconds a node waits at the rendezvous (launch.nnodes>1): for launch.rdzv_endpoint to
+    answer, and for every node to join. A node may start up to this long after the first;
+    past it, the run stops with a message naming the endpoint."""
     max_restarts: int = 0
     """Restart all workers up to N times after a crash (they resume from the newest checkpoint).
     Any world size: with N > 0 a single worker runs in its own process, so it can be restarted."""
