@@ -79,6 +79,9 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
         "text_column": data.text_column,
         "keep_linebreaks": data.keep_linebreaks,
         "validation_split_percentage": None if data.validation_file else data.validation_split_percentage,
+        # datasets shards the rows contiguously over the workers, and each batch drops its
+        # remainder inside a shard, so the blocks depend on the worker count (null = 1).
+        "preprocessing_num_workers": data.preprocessing_num_workers or 1,
     }
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))

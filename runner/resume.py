@@ -19,7 +19,7 @@ from runner.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 HARMLESS = (
     "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
     "train.keep_checkpoints", "train.per_device_eval_batch_size", "train.dataloader_num_workers",
-    "data.max_eval_samples", "data.preprocessing_num_workers", "data.cache_dir",
+    "data.max_eval_samples", "data.cache_dir",
     "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank", "overwrite", "resume", "run_dir", "name",
 )
 

@@ -111,7 +111,9 @@ class DataSpec:
     max_eval_samples: Optional[int] = None
     """Keep only the first N evaluation blocks."""
     preprocessing_num_workers: Optional[int] = None
-    """Processes for tokenization. null: one."""
+    """Processes for tokenization. null: one. The blocks depend on it (each worker groups
+    its own contiguous shard), so it is part of the data cache key, and a resume refuses
+    a change of it."""
     cache_dir: Optional[str] = None
     """Where tokenized, grouped data is cached. null: $RUNNER_CACHE_DIR or ~/.cache/runner."""
 

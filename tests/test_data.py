@@ -91,6 +91,23 @@ def test_cache_hit_on_same_inputs_and_rebuild_on_any_change(tmp_path, tokenizer)
     assert prepare(spec, tokenizer, 32).cache_hit is False  # file contents
 
 
+def test_the_worker_count_is_part_of_the_cache_key(tmp_path, tokenizer):
+    train = _write(tmp_path / "t.txt", ["a b c"])
+    keys = {w: cache_key(DataSpec(train_file=train, preprocessing_num_workers=w), tokenizer, 8) for w in (None, 1, 2)}
+    assert keys[None] == keys[1] != keys[2]  # null means one worker
+
+
+def test_grouping_with_two_workers_can_give_other_blocks():
+    """Why the worker count is in the key: datasets gives each worker a contiguous shard,
+    and each batch drops its remainder inside its shard."""
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"input_ids": [[i] * 7 for i in range(2500)]})
+    one = rows.map(group_texts, batched=True, fn_kwargs={"block_size": 64})["input_ids"]
+    two = rows.map(group_texts, batched=True, num_proc=2, fn_kwargs={"block_size": 64})["input_ids"]
+    assert len(one) == len(two) and one != two
+
+
 def test_cache_key_ignores_sample_limits(tmp_path, tokenizer):
     train = _write(tmp_path / "t.txt", ["a b c"])
     base = DataSpec(train_file=train)
