@@ -145,7 +145,8 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
     prepare_environment(1)
-    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=0.0)
+    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=0.0,
+                                    per_device_batch_size=2)  # DeepSpeed's micro-batch, as the loader below
     try:
         model = micro_model()
         inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
