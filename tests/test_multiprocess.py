@@ -188,7 +188,9 @@ def test_joins_a_torchrun_launch_instead_of_spawning(runs, tmp_path):
          "train.per_device_batch_size=4", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # Each rank's own lines first: the tail alone is the launcher's report of the first failure.
+    rank_lines = "\n".join(line for line in done.stderr.splitlines() if line.startswith(("[rank1]", "[rank0]")))[-4000:]
+    assert done.returncode == 0, f"{rank_lines}\n---\n{done.stderr[-3000:]}"
     assert losses(run_dir) == pytest.approx(losses(runs["ddp_2x4"]), abs=1e-4)
     assert "ddp on 2 process(es)" in (run_dir / "run.log").read_text()
 
