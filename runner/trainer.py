@@ -195,7 +195,6 @@ class Trainer:
             "epoch": s.epoch,
             "samples_in_epoch": s.samples_in_epoch,
             "world_size": self.accelerator.num_processes,
-            "per_device_batch_size": plan.per_device_batch_size,
             "grad_accum_steps": plan.grad_accum_steps,
             "total_loss": s.total_loss,
             "total_loss_steps": s.total_loss_steps,

@@ -102,7 +102,7 @@ def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir
     whatever the strategy (under ZeRO, its fp32 master weights gathered from every rank)."""
     from accelerate.utils import DistributedType
 
-    from runner.accel import zero_fp32_state_dict
+    from runner.accel import unwrap, zero_fp32_state_dict
 
     out = run_dir / "model"
     if accelerator.state.distributed_type == DistributedType.DEEPSPEED:
@@ -110,7 +110,7 @@ def save_outputs(accelerator: "Accelerator", model: Any, tokenizer: Any, run_dir
     else:
         state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = unwrap(accelerator, model)
         unwrapped.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
     accelerator.wait_for_everyone()
@@ -134,7 +134,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     from runner.accel import (
-        build_accelerator, check_engaged, check_in_sync, describe, rank_fingerprints, skip_output_upcast, unwrap,
+        build_accelerator, check_engaged, check_in_sync, describe, fp32_copy, is_zero, rank_fingerprints,
+        set_zero_master_weights, skip_output_upcast, unwrap,
     )
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
@@ -184,8 +185,6 @@ def train(spec: RunSpec) -> dict[str, Any]:
     train_loader, eval_loader, sampler = _loaders(spec, data)
     lr = effective_lr(spec.optim, global_batch(t, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
-    from runner.accel import fp32_copy, is_zero, set_zero_master_weights
-
     initial = fp32_copy(model) if is_zero(spec.strategy) and accelerator.mixed_precision != "no" else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if initial is not None:
