@@ -111,10 +111,24 @@ def _worker_entry(spec_path: str) -> None:
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
+    # The plan is inherited by spawned workers, and only by them: left in this process's
+    # environment, a later launch from it (a test session, a torchrun started by a sweep
+    # job) would hand a stale plan to ranks that never saw this launcher.
+    previous = os.environ.get(PLANNED_WORLD_SIZE_ENV)
+    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))
+    try:
+        _launch(spec, spec_path)
+    finally:
+        if previous is None:
+            os.environ.pop(PLANNED_WORLD_SIZE_ENV, None)
+        else:
+            os.environ[PLANNED_WORLD_SIZE_ENV] = previous
+
+
+def _launch(spec: RunSpec, spec_path: Path) -> None:
     from runner.distributed import joined_launch
     from runner.worker import run
 
-    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))  # inherited by spawned workers
     if joined_launch() is not None:  # we are rank 0 of an outside launch
         prepare_environment(1, spec.launch.debug)
         run(spec)

@@ -1,4 +1,5 @@
-"""launch.max_restarts at world size 1: the single worker is spawned, so it can be restarted."""
+"""The launcher: the plan it hands its workers; launch.max_restarts at world size 1 (the single
+worker is spawned, so it can be restarted)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,28 @@ import pytest
 from conftest import patch_train_step
 from test_checkpoint import cmd, losses
 
-pytestmark = pytest.mark.slow
+
+def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeypatch):
+    """A launch from a process that later starts a torchrun must not hand its old plan to
+    those ranks (seen in CI: rank 1 of a torchrun join was told the plan was 1)."""
+    from runner import launch as launch_module
+    from runner.spec import RunSpec
+
+    monkeypatch.delenv(launch_module.PLANNED_WORLD_SIZE_ENV, raising=False)
+    seen = []
+
+    def fake_launch(spec, spec_path):
+        seen.append(os.environ.get(launch_module.PLANNED_WORLD_SIZE_ENV))
+        raise RuntimeError("worker failed")
+
+    monkeypatch.setattr(launch_module, "_launch", fake_launch)
+    with pytest.raises(RuntimeError):
+        launch_module.launch(RunSpec(), spec_path=None)
+    assert seen == ["1"]
+    assert launch_module.PLANNED_WORLD_SIZE_ENV not in os.environ
 
 
+@pytest.mark.slow
 def test_max_restarts_restarts_a_single_worker_that_crashes(tmp_path):
     """The one worker dies once at step 10; it is restarted, resumes from checkpoint 8 and
     ends with the losses of a run that never crashed."""
@@ -33,12 +53,14 @@ def test_max_restarts_restarts_a_single_worker_that_crashes(tmp_path):
     assert losses(run_dir) == losses(reference)
 
 
+@pytest.mark.slow
 def test_without_restarts_a_single_worker_crash_fails_the_run(tmp_path):
     env = {**os.environ, **patch_train_step(tmp_path, "self.state.step >= 2", "os._exit(1)")}
     done = subprocess.run(cmd(tmp_path / "run", "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 1 and "worker rank 0 failed" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     env = {**os.environ, **patch_train_step(
         tmp_path, 'os.environ.get("RANK") == "1"',
@@ -52,6 +74,7 @@ def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     """The worker dies at step 3, before any checkpoint: the restart starts again from
     step 1, and metrics.jsonl keeps only the new attempt's lines."""
