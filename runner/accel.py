@@ -163,6 +163,15 @@ def expected_optimizer(strategy: StrategySpec, fused: bool) -> str:
     return f"AdamW ({'fused' if fused else 'foreach'})"
 
 
+def spec_notes(spec: RunSpec) -> list[str]:
+    """What DeepSpeed will do with a spec that its keys do not say, for run_spec.yaml."""
+    expected = expected_optimizer(spec.strategy, spec.optim.fused)
+    if expected == "DeepSpeedCPUAdam":
+        dropped = "; optim.fused does not apply" if spec.optim.fused else ""
+        return [f"optimizer: {expected} (DeepSpeed replaces torch's AdamW under strategy.offload_optimizer=cpu{dropped})"]
+    return []
+
+
 def engaged_optimizer(optimizer: Any) -> str:
     inner = _innermost_optimizer(optimizer)
     name = type(inner).__name__
@@ -199,7 +208,9 @@ def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: 
                 ("offload_optimizer", strategy.offload_optimizer.value, model.zero_offload_optimizer()),
                 ("offload_params", strategy.offload_params.value, model.zero_offload_param()),
             ):
-                device = getattr(getattr(config, "device", None), "value", None) or "none"
+                # An enum in older DeepSpeed, a plain string (use_enum_values) in 0.19.
+                device = getattr(config, "device", None)
+                device = str(getattr(device, "value", device) or "none")
                 if device != wanted:
                     problems.append(f"DeepSpeed offloads {name} to {device}, expected {wanted}")
     elif planned_world_size > 1:

@@ -62,8 +62,10 @@ def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
 
 def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:
     """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/."""
+    from runner.accel import spec_notes
+
     spec_path = run_dir / SPEC_FILENAME
-    save_spec(spec, spec_path)
+    save_spec(spec, spec_path, notes=spec_notes(spec))
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
     if composed is not None:

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -281,9 +281,12 @@ def spec_to_yaml(spec: RunSpec) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(spec))
 
 
-def save_spec(spec: RunSpec, path: Path) -> None:
+def save_spec(spec: RunSpec, path: Path, notes: Sequence[str] = ()) -> None:
+    """Write the frozen spec; `notes` (what the libraries will do with it that the keys do
+    not say) become comments at the top, so a reader sees them and a loader ignores them."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(spec_to_yaml(spec))
+    header = "".join(f"# {note}\n" for note in notes)
+    tmp.write_text(header + spec_to_yaml(spec))
     tmp.replace(path)
 
 

@@ -62,6 +62,9 @@ def patch_train_step(tmp_path: Path, condition: str, action: str) -> dict[str, s
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tokenized data goes to a per-session cache, never the user's."""
     cache = tmp_path_factory.mktemp("runner_cache")
+    # DeepSpeed's JIT-built CPU ops (minutes to compile on 2 cores) are not data: keep
+    # them where runner keeps them for the user, built once per machine, not per session.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "runner" / "torch_extensions"))
     old = os.environ.get("RUNNER_CACHE_DIR")
     os.environ["RUNNER_CACHE_DIR"] = str(cache)
     yield

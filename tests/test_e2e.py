@@ -181,3 +181,22 @@ def test_resume_auto_never_overwrites_a_finished_run_without_checkpoints(micro_r
     assert "resume=auto found no checkpoint" in err and "overwrite=true" in err and "hydra.run.dir=" in err
     assert "starting fresh" not in err
     assert digests() == before  # every file byte-identical
+
+
+@pytest.mark.slow
+def test_zero_optimizer_offload_engages_deepspeed_cpu_adam_and_says_so(tmp_path):
+    """strategy.offload_optimizer=cpu: DeepSpeed steps its own CPU Adam. The run must engage
+    it (the engagement check reads the offload device DeepSpeed built), say so in the banner
+    and in run_spec.yaml, and keep the numbers of torch's AdamW."""
+    from conftest import MICRO
+    from runner.spec import spec_from_yaml
+
+    golden = json.loads(GOLDEN.read_text())["losses"][:3]
+    short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]
+    run_dir = tmp_path / "run"
+    metrics = train_run(run_dir, [*short, "strategy=zero2", "strategy.offload_optimizer=cpu"])
+    assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(golden, abs=1e-4)
+    assert "optimizer      DeepSpeedCPUAdam" in (run_dir / "run.log").read_text()
+    frozen = (run_dir / "run_spec.yaml").read_text()
+    assert frozen.startswith("# optimizer: DeepSpeedCPUAdam") and "optim.fused does not apply" in frozen
+    assert spec_from_yaml(frozen).strategy.offload_optimizer.value == "cpu"  # the note is a comment, not a key
