@@ -105,6 +105,8 @@ class Trainer:
             tracker_log=(lambda values, step: accelerator.log(values, step=step)) if accelerator.trackers else None,
         )
         self.grad_norm: Optional[torch.Tensor] = None
+        # The non-finite verdict of the last step, still on the device (see _check_finite).
+        self.unread_verdict: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
         self.sampler = sampler
         self.spec_yaml = spec_yaml  # saved into each checkpoint, to check a resume against
         self.stop = StopRequest()
@@ -128,6 +130,8 @@ class Trainer:
                     if not self.train_step(batch):
                         continue
                     window_steps += 1
+                    if (self.log_every and s.step % self.log_every == 0) or (self.eval_every and s.step % self.eval_every == 0):
+                        self._read_verdict()  # before any figure of this step is reported
                     if self.log_every and s.step % self.log_every == 0:
                         record = self._log_step(window_steps, time.perf_counter() - window_start)
                         progress.update(0, **_postfix(record))
@@ -146,6 +150,7 @@ class Trainer:
             self.stop.restore()
             progress.close()
         runtime = time.perf_counter() - started
+        self._read_verdict()
         eval_results = self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
 
@@ -186,6 +191,7 @@ class Trainer:
         return checkpoint_dir(self.run_dir, self.state.step)
 
     def save_checkpoint(self) -> Path:
+        self._read_verdict()  # never save weights a non-finite step touched
         s, plan = self.state, self.plan
         # Each rank's own running loss sum, so a resume inside a logging window closes
         # that window with the very same numbers (a mean over ranks would round).
@@ -291,20 +297,61 @@ class Trainer:
         return f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
 
     def _check_finite(self, loss: torch.Tensor) -> None:
-        """Stop before the optimizer step on a NaN/inf loss or global gradient norm (one
-        host sync per optimizer step). The norm is computed (and clipped when
-        optim.max_grad_norm > 0) even with clipping off; it is global, so every rank
-        stops together. Under fp16 a non-finite gradient is an overflow: the loss scaler
-        skips the step (counted in _optimizer_step), which is expected, not fatal."""
+        """Stop before a NaN/inf loss or global gradient norm reaches the weights.
+
+        The norm is computed (and clipped when optim.max_grad_norm > 0) even with clipping
+        off; it is global, so every rank reaches the same verdict. Under fp16 a non-finite
+        gradient is an overflow: the loss scaler skips the step (counted in
+        _optimizer_step), which is expected, not fatal.
+
+        Reading the verdict on the host would make it wait for the device every step. An
+        optimizer that honours `found_inf` (torch's fused AdamW: GradScaler's protocol)
+        is handed the verdict on the device instead and skips the whole update itself,
+        moments included; the host reads it one step later (or before anything is logged,
+        evaluated or saved), while the device is already busy with the next step, and
+        stops the run there. Other optimizers (foreach AdamW, DeepSpeed's) are checked on
+        the host before their step.
+        """
+        self._read_verdict()
         self.grad_norm = global_grad_norm(self.accelerator, self.model, self.max_grad_norm)
-        checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
-        if bool(torch.isfinite(checks).all()) or self.accelerator.mixed_precision == "fp16":
+        if self.accelerator.mixed_precision == "fp16":
             return
-        step = self.state.step + 1
+        checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
+        verdict = (self.state.step + 1, checks, ~torch.isfinite(checks).all())
+        inner = self._found_inf_optimizer()
+        if inner is None:
+            self.unread_verdict = verdict
+            self._read_verdict()
+            return
+        inner.found_inf = verdict[2].float()
+        self.unread_verdict = verdict
+
+    def _found_inf_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer under Accelerate's wrapper if it skips its own update on a
+        device-side `found_inf` flag; None under DeepSpeed (its engine steps its own)."""
+        if getattr(self.accelerator, "deepspeed_engine_wrapped", None) is not None:
+            return None
+        inner = self.optimizer
+        while hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+
+    def _read_verdict(self) -> None:
+        """Raise if the last step's loss or gradient norm was non-finite (a host sync)."""
+        if self.unread_verdict is None:
+            return
+        step, checks, bad = self.unread_verdict
+        self.unread_verdict = None
+        inner = self._found_inf_optimizer()
+        if inner is not None:
+            inner.found_inf = None  # the flag belongs to that one step
+        if not bool(bad):
+            return
+        loss, norm = (float(v) for v in checks.cpu())
+        skipped = "its update was skipped and the run stopped" if inner is not None else "stopped before the optimizer step"
         raise NonFiniteLoss(
-            f"non-finite loss or gradient norm at step {step} (loss {loss.item()}, grad norm "
-            f"{float(self.grad_norm)}); stopped before the optimizer step; {self._last_good()}. "
-            "Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
+            f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {norm}); "
+            f"{skipped}; {self._last_good()}. Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
         )
 
     def _close_loss_window(self, window_steps: int) -> float:

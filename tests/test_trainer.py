@@ -66,12 +66,18 @@ def assert_unchanged(model: torch.nn.Module, before: list[torch.Tensor]) -> None
     assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))
 
 
+def adam_steps(optimizer: torch.optim.Optimizer) -> list[float]:
+    inner = optimizer.optimizer  # under Accelerate's wrapper
+    return [float(inner.state[p]["step"]) for group in inner.param_groups for p in group["params"] if p in inner.state]
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["clipping_off", "clipping_on"])
-def test_inf_gradient_with_finite_loss_stops_before_the_update(tmp_path, max_grad_norm):
+def test_inf_gradient_with_finite_loss_stops_before_the_update_host_checked(tmp_path, max_grad_norm):
+    """foreach AdamW cannot take a device-side verdict: it is read before the step."""
     accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
     model = micro_model()
     inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=False)
     model, optimizer = accelerator.prepare(model, optimizer)
     trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
     first, second = batches(2)
@@ -79,10 +85,54 @@ def test_inf_gradient_with_finite_loss_stops_before_the_update(tmp_path, max_gra
     assert trainer.grad_norm is not None and 0 < float(trainer.grad_norm) < float("inf")  # computed even unclipped
     lr, before = trainer.scheduler.get_last_lr(), snapshot(model)
     inject.on = True
-    with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf"):
+    with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf.*stopped before the optimizer step"):
         trainer.train_step(second)
     assert_unchanged(model, before)
     assert trainer.scheduler.get_last_lr() == lr and trainer.state.step == 1
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["clipping_off", "clipping_on"])
+def test_inf_gradient_with_fused_adamw_is_skipped_on_the_device_and_stops_the_run(tmp_path, max_grad_norm):
+    """The default fused AdamW gets the verdict as GradScaler's `found_inf`, on the device:
+    no host sync in the step; the update (weights and Adam moments) is skipped by the
+    kernel, and the host reads the verdict at the next step and stops there."""
+    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
+    model = micro_model()
+    inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
+    first, second, third = batches(3)
+    assert trainer.train_step(first)
+    assert trainer.unread_verdict is not None  # left on the device, not read by the step
+    assert 0 < float(trainer.grad_norm) < float("inf")
+    before, moments = snapshot(model), adam_steps(optimizer)
+    inject.on = True
+    assert trainer.train_step(second)  # nothing read on the host yet...
+    assert_unchanged(model, before)  # ...but the kernel skipped the update
+    assert adam_steps(optimizer) == moments == [1.0] * len(moments)
+    inject.on = False
+    with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf.*its update was skipped"):
+        trainer.train_step(third)
+    assert_unchanged(model, before)
+
+
+def test_a_clean_verdict_left_on_the_device_changes_no_number(tmp_path):
+    """Handing fused AdamW found_inf=0 must step exactly as without the flag."""
+    runs = []
+    for flag in (True, False):
+        reset_accelerate_state()
+        accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+        model = micro_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=1.0)
+        if not flag:
+            trainer._found_inf_optimizer = lambda: None  # the host-checked path
+        for batch in batches(3):
+            assert trainer.train_step(batch)
+        runs.append(snapshot(model))
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
 
 
 def fp16_on_cpu(tmp_path: Path, **kwargs):
