@@ -160,6 +160,33 @@ def test_readme_sbatch_script_trains_across_both_nodes(cluster, single_host_ddp,
     assert f"{job}.0|COMPLETED|rtc-node[1-2]" in steps, steps
 
 
+def test_srun_with_one_task_per_gpu_joins_as_one_rank_per_task(cluster, single_host_ddp, tmp_path):
+    """`--ntasks-per-node` above 1 (one task per GPU): each task is a rank, the ranks meet
+    at the first node Slurm lists. 2 nodes x 2 tasks x 2 samples = the reference's batch."""
+    import shlex
+
+    micro = [o for o in MICRO if not o.startswith("train.per_device_batch_size")]
+    script = tmp_path / "train.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=2\n"
+        f"#SBATCH --output={tmp_path}/slurm-%j.out\n"
+        f"srun runner {' '.join(shlex.quote(o) for o in micro)} train.per_device_batch_size=2 "
+        f"hydra.run.dir={tmp_path}/runs/$SLURM_JOB_ID\n"
+    )
+    started = time.monotonic()
+    job = _slurm(cluster, "sbatch", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "ddp on 4 process(es)" in log, log[-3000:]
+    got = losses(tmp_path / "runs" / job)
+    delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
+    print(f"\nsrun 2 nodes x 2 tasks: job {job} in {time.monotonic() - started:.1f} s, "
+          f"max |loss - single-host ddp| = {delta:.2e}", file=sys.stderr)
+    assert got == pytest.approx(single_host_ddp, abs=1e-4) and len(got) == 8
+    steps = _slurm(cluster, "sacct", "-j", job, "-n", "-P", "-o", "JobID,State,NodeList,NTasks")
+    assert f"{job}.0|COMPLETED|rtc-node[1-2]|4" in steps, steps
+
+
 def _wait(what: str, check, seconds: int, every: float = 1.0):
     """Poll `check` until it returns something truthy; at most `seconds` (and that many polls)."""
     deadline = time.monotonic() + seconds
