@@ -1,4 +1,4 @@
-"""The only module that knows Accelerate's and DeepSpeed's knobs.
+"""The only module that knows Accelerate's and DeepSpeed's knobs (FSDP2's: runner/fsdp.py).
 
 Builds the Accelerator from the strategy and precision sub-specs, and checks after
 `prepare()` that what is engaged is what was asked for: Accelerate falls back
@@ -100,8 +100,10 @@ def build_accelerator(
     tracking: str = "none",
     logging_dir: Optional[str] = None,
     per_device_batch_size: Optional[int] = None,
+    model_type: str = "gpt2",
 ) -> "Accelerator":
-    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused otherwise."""
+    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused otherwise.
+    model_type picks the transformer layer FSDP2 wraps (runner/fsdp.py): used under fsdp only."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
@@ -115,24 +117,35 @@ def build_accelerator(
             raise ValueError("a ZeRO strategy needs per_device_batch_size for DeepSpeed's config")
         config = deepspeed_config(strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size)
         plugin = deepspeed_plugin(config)
-    if plugin is not None or world_size > 1:
+    fsdp = None
+    if strategy.kind is StrategyKind.fsdp:
+        from runner.fsdp import fsdp_plugin
+
+        fsdp = fsdp_plugin(strategy, precision, model_type)
+    if plugin is not None or fsdp is not None or world_size > 1:
         # Passing a backend makes Accelerate initialise a process group: only when distributed.
         backend = "nccl" if cuda else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timedelta(minutes=timeout_minutes)))
-    return Accelerator(
+    accelerator = Accelerator(
         dataloader_config=dataloader_config(cuda),
-        # DDP on CPU needs cpu=True (else two unsynchronised copies); DeepSpeed on CPU
-        # needs cpu=False with a gloo process group.
+        # DDP and FSDP on CPU need cpu=True (else two unsynchronised copies, or no
+        # distributed state at all); DeepSpeed on CPU needs cpu=False with a gloo process group.
         cpu=(not cuda) and plugin is None,
         mixed_precision=MIXED_PRECISION[precision.kind],
         gradient_accumulation_steps=grad_accum_steps,
         deepspeed_plugin=plugin,
+        fsdp_plugin=fsdp,
         kwargs_handlers=handlers,
         # torch.compile applied by prepare(); unwrap_model strips it again for saving.
         dynamo_backend="inductor" if compile_model else None,
         log_with=None if tracking == "none" else tracking,
         project_config=ProjectConfiguration(logging_dir=logging_dir) if logging_dir else None,
     )
+    if fsdp is not None and not cuda:
+        from runner.fsdp import engage_on_cpu
+
+        engage_on_cpu(accelerator, fsdp)
+    return accelerator
 
 
 def describe(accelerator: "Accelerator") -> dict[str, Any]:
@@ -213,6 +226,10 @@ def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: 
                 device = str(getattr(device, "value", device) or "none")
                 if device != wanted:
                     problems.append(f"DeepSpeed offloads {name} to {device}, expected {wanted}")
+    elif strategy.kind is StrategyKind.fsdp:
+        from runner.fsdp import engagement_problems
+
+        problems += engagement_problems(accelerator, model, strategy, precision)
     elif planned_world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -262,7 +279,9 @@ def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: floa
     all-reduced, so the local norm is the global one; under fp16 they are unscaled first.
     Under DeepSpeed each rank holds a partition: the ZeRO optimizer's own norm (what its
     step computes again before clipping) all-reduces the partitions' norms. DeepSpeed
-    reports an inf/NaN norm as -1; it is returned as inf.
+    reports an inf/NaN norm as -1; it is returned as inf. Under fsdp the gradients are
+    FSDP2's reduce-scattered DTensor shards: torch's norm over them is partial per rank
+    and is completed across ranks (Accelerate's clip does the same before clipping).
     """
     import math
 
@@ -280,10 +299,18 @@ def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: floa
         scaled = torch.as_tensor(scaled, dtype=torch.float32)
         return torch.where(scaled < 0, torch.full_like(scaled, math.inf), scaled / float(zero.loss_scale))
     if max_grad_norm > 0:
-        return accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        return _full(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
     accelerator.unscale_gradients()  # fp16: the true gradients' norm; a no-op otherwise
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    return _full(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
+
+
+def _full(value: Any) -> Any:
+    """A plain tensor from a norm over FSDP2's sharded (DTensor) gradients: the norm of
+    each rank's shard combined over all ranks (an all-reduce), so every rank holds the
+    global norm. A plain tensor is returned as it is."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else value
 
 
 def unwrap(accelerator: "Accelerator", model: Any) -> Any:
@@ -324,7 +351,7 @@ def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
 
 def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: StrategySpec) -> list[float]:
     """Sum of every parameter, one per rank: after a step all ranks must hold the same model.
-    Under ZeRO-3 each rank holds a shard, so the full parameters are gathered first."""
+    Under ZeRO-3 and fsdp each rank holds a shard, so the full parameters are gathered first."""
     import contextlib
 
     import torch
@@ -336,7 +363,8 @@ def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: Strategy
 
         gather = deepspeed.zero.GatheredParameters(params)
     with gather:
-        total = torch.stack([p.detach().double().sum() for p in params]).sum()
+        # fsdp: a DTensor's sum is partial per rank; _full all-reduces it.
+        total = torch.stack([_full(p.detach().double().sum()) for p in params]).sum()
     values = accelerator.gather(total.reshape(1).to(accelerator.device))
     return [float(v) for v in values.cpu()]
 

@@ -21,6 +21,7 @@ ACCELERATE_KEYS: dict[str, str] = {
     "distributed_type: MULTI_GPU / MULTI_CPU / NO": "strategy=ddp",
     "distributed_type: DEEPSPEED + zero_stage: 2": "strategy=zero2",
     "distributed_type: DEEPSPEED + zero_stage: 3": "strategy=zero3",
+    "distributed_type: FSDP + fsdp_version: 2": "strategy=fsdp",
     "mixed_precision: no / bf16 / fp16": "precision=fp32 / bf16 / fp16",
     "num_processes (all machines)": "launch.nproc_per_node (per machine) x launch.nnodes",
     "num_machines": "launch.nnodes",
@@ -31,6 +32,11 @@ ACCELERATE_KEYS: dict[str, str] = {
     "deepspeed_config.offload_optimizer_device": "strategy.offload_optimizer",
     "deepspeed_config.offload_param_device": "strategy.offload_params",
     "deepspeed_config.zero3_save_16bit_model": "strategy.zero3_save_16bit_model",
+    "fsdp_config.fsdp_reshard_after_forward": "strategy.reshard_after_forward",
+    "fsdp_config.fsdp_offload_params: true / false": "strategy.offload_params=cpu / none",
+    "fsdp_config.fsdp_activation_checkpointing": "model.gradient_checkpointing",
+    "fsdp_config.fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP": "(always: each transformer layer, e.g. GPT2Block, and the root)",
+    "fsdp_config.fsdp_state_dict_type": "(always: checkpoints sharded per rank, model/ the full gathered model)",
 }
 
 # run_clm.py / HF Trainer flag -> the runner override that does the same (the README's table).
@@ -75,7 +81,16 @@ _NOTED: dict[str, str] = {
     "deepspeed_config.zero3_init_flag": "the model is always built before the engine, so ZeRO-3 starts from the same weights as DDP",
     "deepspeed_config.deepspeed_config_file": "a raw DeepSpeed JSON is not read; give its settings as strategy fields",
     "deepspeed_config.deepspeed_multinode_launcher": "the runner spawns its own workers on each node",
+    "fsdp_config.fsdp_cpu_ram_efficient_loading": "every rank builds the same seeded model, so nothing is loaded on rank 0 alone",
+    "fsdp_config.fsdp_sync_module_states": "every rank builds the same seeded model, so there is nothing to broadcast",
+    "fsdp_config.fsdp_use_orig_params": "FSDP1 only; FSDP2 always trains the original parameters",
+    "fsdp_config.fsdp_backward_prefetch": "FSDP1 only; FSDP2 prefetches by itself",
+    "fsdp_config.fsdp_forward_prefetch": "FSDP1 only",
+    "fsdp_config.fsdp_min_num_params": "the runner wraps each transformer layer, not by size",
 }
+# FSDP keys read into the spec (the others get a note).
+_FSDP_HANDLED = {"fsdp_version", "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_activation_checkpointing",
+                 "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_state_dict_type"}
 _SILENT = {"compute_environment", "main_training_function", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
            "tpu_name", "tpu_zone", "commands", "command_file", "num_cpu_threads_per_process", "ipex_config", "mpirun_config"}
 
@@ -85,6 +100,59 @@ def _offload(value: Any, key: str) -> OffloadDevice:
     if text not in ("none", "cpu"):
         raise UserError(f"accelerate config {key}: {value!r} is not supported; use none or cpu.")
     return OffloadDevice(text)
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A yes/no value as `accelerate config` writes it (a YAML bool), or as a hand-written string."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1"):
+        return True
+    if text in ("false", "no", "0"):
+        return False
+    raise UserError(f"accelerate config fsdp_config.{key}: {value!r} is not true or false.")
+
+
+def _apply_fsdp(spec: RunSpec, fsdp: dict[str, Any], filename: str) -> list[str]:
+    """fsdp_config (FSDP2 only) -> strategy=fsdp and its settings; notes on the rest."""
+    from runner.fsdp import LAYER_CLASSES
+
+    version = int(fsdp.get("fsdp_version", 1))  # accelerate's default when the key is absent
+    if version != 2:
+        raise UserError(
+            f"accelerate config fsdp_version={version}: the runner runs FSDP2 (fully_shard), not FSDP1, whose "
+            "flat parameters it does not support. Set fsdp_version: 2 in the file (FULL_SHARD is "
+            "fsdp_reshard_after_forward: true, SHARD_GRAD_OP is false), or use strategy=fsdp directly."
+        )
+    spec.strategy.kind = StrategyKind.fsdp
+    notes: list[str] = []
+    if "fsdp_reshard_after_forward" in fsdp:
+        spec.strategy.reshard_after_forward = _flag(fsdp["fsdp_reshard_after_forward"], "fsdp_reshard_after_forward")
+    if "fsdp_offload_params" in fsdp:
+        offload = _flag(fsdp["fsdp_offload_params"], "fsdp_offload_params")
+        spec.strategy.offload_params = OffloadDevice.cpu if offload else OffloadDevice.none
+    if _flag(fsdp.get("fsdp_activation_checkpointing", False), "fsdp_activation_checkpointing"):
+        spec.model.gradient_checkpointing = True
+    policy = str(fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
+    if policy != "TRANSFORMER_BASED_WRAP":
+        notes.append(f"{filename}: fsdp_config.fsdp_auto_wrap_policy={policy} not applied (the runner wraps each "
+                     "transformer layer and the root: TRANSFORMER_BASED_WRAP).")
+    layers = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if layers and {str(c).strip() for c in str(layers).split(",")} - set(LAYER_CLASSES.values()):
+        notes.append(f"{filename}: fsdp_config.fsdp_transformer_layer_cls_to_wrap={layers!r} not applied (the runner "
+                     f"wraps the model's own layer class: {', '.join(f'{v} for {k}' for k, v in LAYER_CLASSES.items())}).")
+    state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
+    if state_dict != "SHARDED_STATE_DICT":
+        notes.append(f"{filename}: fsdp_config.fsdp_state_dict_type={state_dict} not applied (checkpoints are always "
+                     "sharded per rank, and model/ is always the full gathered model).")
+    for key, value in fsdp.items():
+        if key in _FSDP_HANDLED:
+            continue
+        reason = _NOTED.get(f"fsdp_config.{key}", "unknown to the runner")
+        if value not in (None, False) or f"fsdp_config.{key}" not in _NOTED:
+            notes.append(f"{filename}: fsdp_config.{key}={value!r} not applied ({reason}).")
+    return notes
 
 
 def apply_accelerate_config(spec: RunSpec) -> list[str]:
@@ -116,10 +184,12 @@ def apply_accelerate_config(spec: RunSpec) -> list[str]:
             spec.train.grad_accum_steps = int(ds["gradient_accumulation_steps"])
         if "gradient_clipping" in ds:
             spec.optim.max_grad_norm = float(ds["gradient_clipping"])
+    elif kind == "FSDP":
+        notes += _apply_fsdp(spec, cfg.get("fsdp_config") or {}, path.name)
     else:
         raise UserError(
-            f"accelerate config distributed_type={kind} is not offered: use DDP (MULTI_GPU) or DEEPSPEED "
-            "(strategy=ddp|zero2|zero3). FSDP does not engage on CPU and is not offered yet."
+            f"accelerate config distributed_type={kind} is not offered: use MULTI_GPU, DEEPSPEED or FSDP "
+            "(strategy=ddp|zero2|zero3|fsdp)."
         )
 
     precision = str(cfg.get("mixed_precision", "no")).lower()

@@ -43,7 +43,7 @@ def layout_change_problems(
     shown = f"{'x'.join(map(str, before))} -> {'x'.join(map(str, after))} (processes x per-device batch x accumulation)"
     problems = []
     if old_world != new_world and old.strategy.kind.value != "ddp":
-        problems.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO shards are per rank)")
+        problems.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO and FSDP shards are per rank)")
     if "samples_in_epoch" not in marker:
         problems.append(f"layout {shown}: this checkpoint predates sample-exact positions; resume it in its own layout")
     elif int(marker["samples_in_epoch"]) % (new_world * new.train.per_device_batch_size):

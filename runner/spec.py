@@ -24,6 +24,7 @@ class StrategyKind(str, enum.Enum):
     ddp = "ddp"
     zero2 = "zero2"
     zero3 = "zero3"
+    fsdp = "fsdp"  # PyTorch FSDP2 (fully_shard) through Accelerate
     accelerate_config = "accelerate_config"  # read from strategy.config_file, then one of the above
 
 
@@ -212,12 +213,19 @@ class LaunchSpec:
 class StrategySpec:
     kind: StrategyKind = StrategyKind.ddp
     """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate) |
+    fsdp (PyTorch FSDP2, fully_shard, through Accelerate; 2 processes or more) |
     accelerate_config (translate strategy.config_file into one of those)."""
     offload_optimizer: OffloadDevice = OffloadDevice.none
     """ZeRO only (refused under ddp): none | cpu. DeepSpeed then steps its own
     DeepSpeedCPUAdam on the CPU (the banner says so); optim.fused does not apply."""
     offload_params: OffloadDevice = OffloadDevice.none
-    """ZeRO-3 only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu."""
+    """ZeRO-3 or fsdp only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu.
+    Under fsdp, FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step live
+    on the CPU (needs a GPU: on a CPU-only machine they are in host memory already)."""
+    reshard_after_forward: bool = True
+    """fsdp only: free each block's gathered parameters after its forward and gather them
+    again in backward (fully sharded, least memory). false keeps them gathered from
+    forward to backward: one all-gather fewer per block, ZeRO-2-like memory."""
     zero3_save_16bit_model: bool = True
     """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model.
     Must stay true: model/ is always the full fp32 weights (false is refused)."""

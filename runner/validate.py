@@ -215,16 +215,55 @@ def check_strategy(spec: RunSpec) -> list[str]:
     """Strategy settings that would be accepted and then do nothing are refused."""
     st, p = spec.strategy, []
     kind = st.kind.value
-    if st.offload_optimizer.value != "none" and st.kind not in (StrategyKind.zero2, StrategyKind.zero3):
+    if st.offload_optimizer.value != "none" and st.kind is StrategyKind.fsdp:
+        p.append(f"strategy.offload_optimizer={st.offload_optimizer.value}: FSDP2 offloads the optimizer state only "
+                 "together with the parameters. Use strategy.offload_params=cpu (parameters, gradients and the "
+                 "optimizer step on the CPU), or strategy=zero2 strategy.offload_optimizer=cpu.")
+    elif st.offload_optimizer.value != "none" and st.kind not in (StrategyKind.zero2, StrategyKind.zero3):
         p.append(f"strategy.offload_optimizer={st.offload_optimizer.value} needs ZeRO: use strategy=zero2 or zero3 "
                  "(or strategy.offload_optimizer=none).")
-    if st.offload_params.value != "none" and st.kind is not StrategyKind.zero3:
+    if not st.reshard_after_forward and st.kind is not StrategyKind.fsdp:
+        p.append(f"strategy.reshard_after_forward=false is an FSDP2 setting, not one of strategy={kind}. Use "
+                 "strategy=fsdp, or remove the override.")
+    if st.offload_params.value != "none" and st.kind not in (StrategyKind.zero3, StrategyKind.fsdp):
         p.append(f"strategy.offload_params={st.offload_params.value}: only ZeRO-3 partitions (and so offloads) the "
-                 f"parameters, not strategy={kind}. Use strategy=zero3, or strategy.offload_params=none "
+                 f"parameters, not strategy={kind}. Use strategy=zero3 or fsdp, or strategy.offload_params=none "
                  "(strategy.offload_optimizer=cpu offloads the optimizer state under zero2).")
     if st.config_file and not Path(st.config_file).expanduser().is_file():
         p.append(f"strategy.config_file: no such file '{st.config_file}'. Give the YAML that `accelerate config` wrote.")
     return p
+
+
+def check_fsdp(spec: RunSpec) -> list[str]:
+    """What strategy=fsdp cannot do here, refused before any worker starts (the world
+    size is checked in validate(), which knows it)."""
+    import torch
+
+    from runner.fsdp import LAYER_CLASSES
+
+    if spec.strategy.kind is not StrategyKind.fsdp:
+        return []
+    p = []
+    if spec.strategy.offload_params.value != "none" and not torch.cuda.is_available():
+        p.append("strategy.offload_params=cpu under strategy=fsdp moves parameters from the GPU to host memory; on a "
+                 "CPU-only machine they are there already. Set strategy.offload_params=none.")
+    if spec.model.compile:
+        p.append("model.compile=true with strategy=fsdp is not supported yet (Accelerate compiles the model before "
+                 "fully_shard, which runner's engagement check and unwrap do not handle). Use model.compile=false, "
+                 "or strategy=ddp / zero2 with model.compile=true.")
+    if spec.model.name_or_path is None and spec.model.model_type not in LAYER_CLASSES:
+        p.append(f"strategy=fsdp wraps each transformer layer of {', '.join(LAYER_CLASSES)} models; "
+                 f"model.model_type={spec.model.model_type} has no known layer class. Use strategy=zero3 or ddp.")
+    return p
+
+
+def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]:
+    """FSDP shards over a process group: at one process Accelerate builds none, and
+    FSDP2 would not engage (runner never falls back silently)."""
+    if spec.strategy.kind is StrategyKind.fsdp and world_size == 1:
+        return ["strategy=fsdp shards the model over 2 or more processes; this run has 1. Set "
+                "launch.nproc_per_node=2 (or more), or use strategy=ddp for one process."]
+    return []
 
 
 def check_accelerate_environment(spec: RunSpec) -> list[str]:
@@ -305,7 +344,7 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_accelerate_environment, check_machine,
-    check_gpu_precision, check_zero_save, check_data_source, check_model,
+    check_gpu_precision, check_zero_save, check_fsdp, check_data_source, check_model,
 )
 
 
@@ -313,6 +352,7 @@ def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
     """Raise one UserError listing every problem found. world_size None: launch.* is
     invalid, so the world size (and the accumulation derived from it) is unknown."""
     problems: list[str] = derive_accumulation(spec, world_size) if world_size is not None else []
+    problems += check_fsdp_world_size(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     if problems:

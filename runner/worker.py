@@ -169,7 +169,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         spec.strategy, spec.precision, t.grad_accum_steps, spec.optim.max_grad_norm,
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
-        per_device_batch_size=t.per_device_batch_size,
+        per_device_batch_size=t.per_device_batch_size, model_type=config.model_type,
     )
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec))

@@ -44,10 +44,39 @@ def test_deepspeed_zero3_multi_node():
     assert any("zero3_init_flag" in n for n in notes)
 
 
+def test_fsdp2_as_accelerate_config_writes_it():
+    spec, notes = read("fsdp2.yaml")
+    assert spec.strategy.kind is StrategyKind.fsdp
+    assert spec.strategy.reshard_after_forward is True and spec.strategy.offload_params is OffloadDevice.none
+    assert spec.precision.kind is PrecisionKind.bf16 and spec.model.gradient_checkpointing is False
+    assert (spec.launch.nproc_per_node, spec.launch.nnodes) == ("8", 1)
+    # CPU-RAM-efficient loading (accelerate's default) is explained; the wrap it asks for is the runner's own.
+    assert [n for n in notes if "fsdp_config" in n] == [
+        "fsdp2.yaml: fsdp_config.fsdp_cpu_ram_efficient_loading=True not applied (every rank builds the same seeded "
+        "model, so nothing is loaded on rank 0 alone)."
+    ]
+
+
+def test_fsdp2_settings_reach_the_spec(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n"
+                    "  fsdp_offload_params: true\n  fsdp_activation_checkpointing: true\n"
+                    "  fsdp_state_dict_type: FULL_STATE_DICT\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
+                    "  fsdp_min_num_params: 1000\n")
+    spec, notes = read(str(path))
+    assert spec.strategy.kind is StrategyKind.fsdp and spec.strategy.reshard_after_forward is False
+    assert spec.strategy.offload_params is OffloadDevice.cpu and spec.model.gradient_checkpointing is True
+    for key in ("fsdp_state_dict_type=FULL_STATE_DICT", "fsdp_auto_wrap_policy=SIZE_BASED_WRAP", "fsdp_min_num_params"):
+        assert any(key in n for n in notes), (key, notes)
+
+
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("distributed_type: FSDP\n", "FSDP"),
+        ("distributed_type: FSDP\n", "fsdp_version=1: the runner runs FSDP2"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n", "Set fsdp_version: 2"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_offload_params: maybe\n", "not true or false"),
+        ("distributed_type: MEGATRON_LM\n", "MEGATRON_LM is not offered"),
         ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 1\n", "stages 2 and 3"),
         ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  offload_param_device: nvme\n", "none or cpu"),
         ("mixed_precision: fp8\n", "fp8"),

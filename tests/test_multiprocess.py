@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo): ddp, zero2 and zero3 do the same math as one process.
+"""Two CPU processes (gloo): ddp, zero2, zero3 and fsdp do the same math as one process.
 
 Slow (each run spawns real workers); CI runs them with `-m "slow or not slow"`.
 """
@@ -17,7 +17,7 @@ import torch
 from conftest import MICRO, patch_train_step
 from runner.parity import parity_problems, step_records
 
-# The first test also pays for the module fixture: seven multi-process runs.
+# Each layout runs once, when a test first asks for it (so `-k fsdp` runs only those).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
@@ -37,7 +37,13 @@ LAYOUTS = {
     "zero3_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero3"],
     "zero2_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=zero2"],
     "zero3_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=zero3"],
+    "fsdp_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=fsdp"],
+    "fsdp_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=fsdp"],
+    # Parameters kept gathered from forward to backward, and activations recomputed in backward.
+    "fsdp_2x4_gathered_recompute": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=fsdp",
+                                    "strategy.reshard_after_forward=false", "model.gradient_checkpointing=true"],
 }
+SHARDED = ["ddp_2x4", "zero2_2x4", "zero3_2x4", "fsdp_2x4"]
 
 
 def runner(run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -52,15 +58,23 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in rows if key in r and "loss" in r]
 
 
+class Runs:
+    """Each layout's run folder, the run made on first use and kept for the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.done:
+            result = runner(self.root / name, *LAYOUTS[name])
+            assert result.returncode == 0, f"{name}:\n{result.stderr[-3000:]}"
+            self.done[name] = self.root / name
+        return self.done[name]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("layouts")
-    out = {}
-    for name, overrides in LAYOUTS.items():
-        done = runner(root / name, *overrides)
-        assert done.returncode == 0, f"{name}:\n{done.stderr[-3000:]}"
-        out[name] = root / name
-    return out
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("layouts"))
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single_8"])
@@ -94,7 +108,7 @@ def test_a_gradient_off_by_the_accumulation_factor_fails_the_comparison(runs, tm
     assert ratios == pytest.approx([2.0, 2.0], rel=1e-3)  # steps 1-2 still share the weights (lr 0 at step 1)
 
 
-@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_distributed_eval_equals_single_process(runs, name):
     """Evaluation gathers across ranks and drops the padding duplicates: same numbers."""
     single = json.loads((runs["single_8"] / "all_results.json").read_text())
@@ -104,12 +118,12 @@ def test_distributed_eval_equals_single_process(runs, name):
         assert multi[key] == pytest.approx(single[key], abs=1e-4, rel=1e-4), key
 
 
-@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_lr_per_step_is_the_same_at_two_processes(runs, name):
     assert losses(runs[name], "lr") == pytest.approx(losses(runs["single_8"], "lr"), rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["ddp_2x4", "zero2_2x4", "zero3_2x4"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_ranks_hold_identical_parameters(runs, name):
     results = json.loads((runs[name] / "all_results.json").read_text())
     a, b = results["rank_param_fingerprints"]
@@ -126,10 +140,24 @@ def test_saved_model_reloads_with_the_same_weights(runs, name):
         assert torch.allclose(p.float(), q.float(), atol=1e-4), key
 
 
-def test_banner_shows_the_batch_arithmetic(runs):
-    log = (runs["zero2_2x4"] / "run.log").read_text()
-    assert "zero2 on 2 process(es)" in log
+@pytest.mark.parametrize("name", ["zero2_2x4", "fsdp_2x4"])
+def test_banner_shows_the_batch_arithmetic(runs, name):
+    log = (runs[name] / "run.log").read_text()
+    assert f"{name.split('_')[0]} on 2 process(es)" in log
     assert "global batch   8 = 4 per device x 2 process(es) x 1 accumulation" in log
+
+
+def test_fsdp_saves_a_full_fp32_model_like_ddp(runs):
+    """model/ is the gathered model, not one rank's shard, in ddp's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    # One process saves what ddp saves (test_saved_model_reloads_with_the_same_weights).
+    fsdp, ddp = (AutoModelForCausalLM.from_pretrained(runs[n] / "model") for n in ("fsdp_2x4", "single_8"))
+    assert type(fsdp).__name__ == "GPT2LMHeadModel"
+    assert fsdp.num_parameters() == ddp.num_parameters()
+    assert {p.dtype for p in fsdp.parameters()} == {p.dtype for p in ddp.parameters()} == {torch.float32}
+    config = json.loads((runs["fsdp_2x4"] / "model" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"]
 
 
 def test_accelerate_config_file_runs_like_zero2(runs, tmp_path):
@@ -139,6 +167,15 @@ def test_accelerate_config_file_runs_like_zero2(runs, tmp_path):
     spec = (tmp_path / "acc" / "run_spec.yaml").read_text()
     assert "kind: zero2" in spec and "nproc_per_node: '2'" in spec
     assert losses(tmp_path / "acc") == pytest.approx(losses(runs["zero2_2x4"]), abs=1e-4)
+
+
+def test_accelerate_fsdp2_config_file_runs_like_fsdp(runs, tmp_path):
+    done = runner(tmp_path / "acc", "strategy=accelerate_config",
+                  f"strategy.config_file={CONFIGS / 'cpu_fsdp2_2proc.yaml'}", "train.per_device_batch_size=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = (tmp_path / "acc" / "run_spec.yaml").read_text()
+    assert "kind: fsdp" in spec and "reshard_after_forward: false" in spec and "nproc_per_node: '2'" in spec
+    assert losses(tmp_path / "acc") == pytest.approx(losses(runs["fsdp_2x4"]), abs=1e-4)
 
 
 def test_global_batch_size_derives_accumulation(runs, tmp_path):

@@ -104,7 +104,7 @@ def test_user_facing_names_exist(compose_spec):
         ("train.per_device_batchsize=4", "unknown key 'train.per_device_batchsize'. Did you mean 'train.per_device_batch_size'?"),
         ("optim.learning_rate=0.1", "unknown key 'optim.learning_rate'"),
         ("train.max_steps=ten", "bad value for 'train.max_steps'"),
-        ("strategy.kind=zero4", "expected one of [ddp, zero2, zero3, accelerate_config]"),
+        ("strategy.kind=zero4", "expected one of [ddp, zero2, zero3, fsdp, accelerate_config]"),
         ("precision.kind=fp8", "expected one of [fp32, bf16, fp16]"),
     ],
 )

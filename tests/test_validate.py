@@ -2,7 +2,7 @@
 
 import pytest
 
-from runner.validate import check_accelerate_environment, check_strategy
+from runner.validate import check_accelerate_environment, check_fsdp, check_strategy
 
 
 @pytest.mark.parametrize(
@@ -163,3 +163,44 @@ def test_every_bad_value_is_refused_in_one_line(composed, key, value, tmp_path, 
     message = error.render()
     assert key in message, message
     assert "Traceback" not in message
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["strategy=ddp", "strategy.reshard_after_forward=false"], "reshard_after_forward=false is an FSDP2 setting"),
+        (["strategy=fsdp", "strategy.offload_optimizer=cpu"], "FSDP2 offloads the optimizer state only together"),
+    ],
+)
+def test_fsdp_settings_elsewhere_or_impossible_are_refused(compose_spec, overrides, expected):
+    [problem] = check_strategy(compose_spec("recipe=gpt2_clm_tiny", *overrides))
+    assert expected in problem
+
+
+def test_fsdp_options_it_has_are_accepted(compose_spec):
+    spec = compose_spec("recipe=gpt2_clm_tiny", "strategy=fsdp", "strategy.reshard_after_forward=false")
+    assert check_strategy(spec) == [] and check_fsdp(spec) == []
+    assert spec.strategy.reshard_after_forward is False
+
+
+def test_fsdp_cpu_offload_needs_a_gpu(compose_spec, monkeypatch):
+    import torch
+
+    spec = compose_spec("recipe=gpt2_clm_tiny", "strategy=fsdp", "strategy.offload_params=cpu")
+    assert check_strategy(spec) == []  # fsdp partitions parameters, so it may offload them
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    [problem] = check_fsdp(spec)
+    assert "on a CPU-only machine they are there already" in problem and "strategy.offload_params=none" in problem
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert check_fsdp(spec) == []
+
+
+def test_fsdp_at_one_process_is_refused_naming_the_fix(capsys, tmp_path):
+    from runner.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["recipe=gpt2_clm_tiny", "strategy=fsdp", "launch.nproc_per_node=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "strategy=fsdp shards the model over 2 or more processes" in err and "launch.nproc_per_node=2" in err
+    assert not (tmp_path / "run" / "run_spec.yaml").exists()
