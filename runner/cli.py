@@ -221,9 +221,10 @@ def _sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Any:
     import signal
 
     from runner.launch import world_size
-    from runner.signals import EXIT_CODES, held_signal
+    from runner.signals import EXIT_CODES, hold_again, held_signal
     from runner.sweep_resume import Action, plan_job, write_record
 
+    hold_again()
     held = held_signal()
     if held is not None:  # taken between jobs: start no more
         raise SystemExit(EXIT_CODES.get(signal.Signals(held), 1))

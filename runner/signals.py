@@ -26,10 +26,13 @@ EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 # or while a job loads its data): the next training loop stops at its first step, and
 # the sweep starts no further job (runner/sweep_resume.py).
 _held: Optional[int] = None
+_holding = False
 
 
 def hold_signals() -> None:
     """Note SIGTERM / SIGINT instead of dying mid-setup; a second Ctrl-C stops at once."""
+    global _holding
+    _holding = True
 
     def note(signum: int, frame: Optional[FrameType]) -> None:
         global _held
@@ -43,6 +46,13 @@ def hold_signals() -> None:
 
 def held_signal() -> Optional[int]:
     return _held
+
+
+def hold_again() -> None:
+    """Before each sweep job: a multi-process job's torch elastic agent replaced the hold
+    with handlers that raise, and does not put it back."""
+    if _holding:
+        hold_signals()
 
 
 class StopRequest:

@@ -67,6 +67,7 @@ def test_a_signal_held_between_sweep_jobs_stops_the_next_training_loop(monkeypat
     import runner.signals as signals
 
     monkeypatch.setattr(signals, "_held", None)
+    monkeypatch.setattr(signals, "_holding", False)
     saved = {sig: signal.getsignal(sig) for sig in signals.EXIT_CODES}
     try:
         signals.hold_signals()
