@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -263,3 +264,45 @@ def test_a_continued_sweep_keeps_resumes_and_runs(stopped_sweep, continued_sweep
         "train.seed=2": ("ok", "resumed"), "train.seed=3": ("ok", "new"),
     }
     assert "| kept |" in (sweep_dir / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_failed_job_runs_again_from_the_start_and_a_changed_finished_job_is_refused_alone(tmp_path):
+    """Seeds 1 and 2, 4 steps, a checkpoint every 2. The first job to reach step 3 crashes
+    (after its step-2 checkpoint); the other finishes. Then job 2's frozen spec is edited
+    (as a recipe changed since) and the sweep continued: job 1 runs again from step 1
+    (not from its checkpoint), job 2 is refused with the change named and left as it is."""
+    from conftest import patch_train_step
+
+    args = [*[o for o in RESUMABLE if not o.startswith(("train.max_steps", "train.save_every"))],
+            "train.max_steps=4", "train.save_every=2", "train.seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    flag = tmp_path / "crashed"
+    env = {**os.environ, **patch_train_step(
+        tmp_path, f"self.state.step == 2 and not os.path.exists({str(flag)!r})",
+        f"open({str(flag)!r}, 'w').close(); raise RuntimeError('injected crash')")}
+    first = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 1, first.stderr[-3000:]
+    sweep_dir = tmp_path / "sweep"
+    job1, job2 = job_of(sweep_dir, 1), job_of(sweep_dir, 2)
+    assert json.loads((job1 / "job_status.json").read_text())["status"] == "failed"
+    assert (job1 / "checkpoints" / "step_2").is_dir()  # resumable, yet a failed job starts over
+    crashed = step_losses(job1)
+    assert sorted(crashed) == [1, 2]
+    spec_text = (job2 / "run_spec.yaml").read_text()
+    assert "  seed: 2\n" in spec_text
+    (job2 / "run_spec.yaml").write_text(spec_text.replace("  seed: 2\n", "  seed: 7\n"))
+    job2_before = file_hashes(job2)
+
+    done = subprocess.run(runner_cmd("-m", *args, "resume=auto"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]  # one job refused
+    rerun = step_losses(job1)
+    assert sorted(rerun) == [1, 2, 3, 4]
+    assert {s: rerun[s] for s in (1, 2)} == crashed  # from the start: the same first steps
+    assert "resumed from" not in (job1 / "run.log").read_text()
+    assert file_hashes(job2) == job2_before
+    assert "train.seed: 7 -> 2" in done.stderr and "Traceback" not in done.stderr
+    rows = {next(o for o in r["overrides"].split() if o.startswith("train.seed=")): r
+            for r in csv.DictReader((sweep_dir / "summary.csv").open())}
+    assert (rows["train.seed=1"]["status"], rows["train.seed=1"]["run"]) == ("ok", "re-run")
+    assert (rows["train.seed=2"]["status"], rows["train.seed=2"]["run"]) == ("refused", "kept")
+    assert "train.seed: 7 -> 2" in rows["train.seed=2"]["reason"]
