@@ -250,7 +250,9 @@ def test_a_continued_sweep_keeps_resumes_and_runs(stopped_sweep, continued_sweep
     # Job 1 finished before the signal: kept, byte for byte.
     assert file_hashes(job_of(sweep_dir, 1)) == job1_before
     # Job 2 continued from its checkpoint: every step once, each loss as if never stopped.
-    resumed = step_losses(job_of(sweep_dir, 2))
+    job2 = job_of(sweep_dir, 2)
+    assert "resumed from" in (job2 / "run.log").read_text()  # not a re-run, which would give the same losses
+    resumed = step_losses(job2)
     assert sorted(resumed) == list(range(1, 13))
     print("job 2 max |loss - uninterrupted|:", max(abs(resumed[s] - uninterrupted_job2[s]) for s in resumed))
     assert resumed == uninterrupted_job2
