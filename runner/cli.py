@@ -9,9 +9,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from runner.errors import USAGE_EXIT_CODE, RunFailed, UserError, compose_error, exit_with
+
+if TYPE_CHECKING:
+    from runner.sweep_resume import Action
 
 
 def _offline_defaults() -> None:
@@ -172,12 +175,22 @@ def _hydra_task(cfg: Any) -> None:
     job_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     started = time.perf_counter()
+    action = None
     try:
         try:
             spec = to_spec(cfg)
         except OmegaConfBaseException as err:  # e.g. a mandatory value (???) left unset
             raise compose_error(err) from None
+        if sweeping:
+            action = _sweep_job(spec, job_dir, Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num))
+            if action is None:
+                return  # kept: its folder already holds its results
         start(spec, job_dir, spec.overwrite, cfg, tuple(hydra_cfg.overrides.task), chosen)
+    except SystemExit as stop:
+        if sweeping:
+            _sweep_stopped(stop, job_dir, Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num), action,
+                           time.perf_counter() - started, list(hydra_cfg.overrides.task))
+        raise
     except Exception as err:  # UserError, RunFailed, or a crash
         if not sweeping:
             if isinstance(err, UserError):
@@ -187,8 +200,15 @@ def _hydra_task(cfg: Any) -> None:
             raise
         # In a sweep a failed job is recorded, and the next job runs.
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
-        write_job_status(job_dir, "failed", time.perf_counter() - started, list(hydra_cfg.overrides.task), reason)
         sys.stderr.write(f"runner: job {hydra_cfg.job.num} failed: {reason}\n")
+        if isinstance(err, UserError) and action is not None and action.value == "resumed":  # Action.resumed
+            # Refused before it wrote anything: its folder (and checkpoints) stay as they
+            # were, to be continued once the spec is put back.
+            from runner.sweep_resume import write_record
+
+            write_record(Path(hydra_cfg.sweep.dir), job_dir, int(hydra_cfg.job.num), action, "refused", reason)
+            return
+        write_job_status(job_dir, "failed", time.perf_counter() - started, list(hydra_cfg.overrides.task), reason)
         if not isinstance(err, (UserError, RunFailed)):
             import traceback
 
@@ -196,6 +216,61 @@ def _hydra_task(cfg: Any) -> None:
         return
     if sweeping:
         write_job_status(job_dir, "ok", time.perf_counter() - started, list(hydra_cfg.overrides.task))
+
+
+def _sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Optional["Action"]:
+    """A sweep job's part in a continued sweep: its Action, or None when it is kept.
+    Records what it does; a refused job is recorded and its folder left alone."""
+    import signal
+
+    from runner.launch import world_size
+    from runner.signals import EXIT_CODES, hold_again, held_signal
+    from runner.sweep_resume import Action, plan_job, write_record
+
+    hold_again()
+    held = held_signal()
+    if held is not None:  # taken between jobs: start no more
+        raise SystemExit(EXIT_CODES.get(signal.Signals(held), 1))
+    if spec.resume != "auto":
+        # A plain sweep: begin_sweep let it start only into an empty folder or with overwrite=true.
+        from runner.sweep_resume import has_results
+
+        action = Action.rerun if spec.overwrite and has_results(job_dir) else Action.new
+        write_record(sweep_dir, job_dir, num, action)
+        return action
+    try:
+        action = plan_job(job_dir, spec, world_size(spec.launch))
+    except UserError as err:
+        write_record(sweep_dir, job_dir, num, Action.kept, "refused", "; ".join(err.problems))
+        sys.stderr.write(f"runner: job {num} refused: {'; '.join(err.problems)}\n")
+        return None
+    write_record(sweep_dir, job_dir, num, action)
+    sys.stderr.write(f"runner: job {num} ({job_dir.name}): {action.value}\n")
+    return None if action is Action.kept else action
+
+
+def _sweep_stopped(
+    stop: SystemExit, job_dir: Path, sweep_dir: Path, num: int, action: Optional["Action"], wall_s: float,
+    overrides: list[str],
+) -> None:
+    """A signal stopped a local sweep: say so in the job's folder and print the command
+    that continues the whole sweep."""
+    import signal
+
+    from runner.signals import EXIT_CODES
+    from runner.sweep import write_job_status
+    from runner.sweep_resume import continue_command, write_record
+
+    signum = {code: sig for sig, code in EXIT_CODES.items()}.get(stop.code)  # type: ignore[arg-type]
+    if signum is None:
+        return
+    if action is not None:  # the job had started: it checkpointed and stopped
+        write_job_status(job_dir, "stopped", wall_s, overrides, f"stopped by {signal.Signals(signum).name}")
+        write_record(sweep_dir, job_dir, num, action, "stopped")
+    sys.stderr.write(
+        f"runner: sweep stopped by {signal.Signals(signum).name} (job {num}, {job_dir.name}). Continue it with:\n"
+        f"  {continue_command(sys.argv[1:], sweep_dir)}\n"
+    )
 
 
 def _run_spec_file(argv: list[str]) -> None:

@@ -22,6 +22,38 @@ if TYPE_CHECKING:
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
+# A signal a local sweep's launcher took outside any job's training loop (between jobs,
+# or while a job loads its data): the next training loop stops at its first step, and
+# the sweep starts no further job (runner/sweep_resume.py).
+_held: Optional[int] = None
+_holding = False
+
+
+def hold_signals() -> None:
+    """Note SIGTERM / SIGINT instead of dying mid-setup; a second Ctrl-C stops at once."""
+    global _holding
+    _holding = True
+
+    def note(signum: int, frame: Optional[FrameType]) -> None:
+        global _held
+        if _held is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        _held = signum
+
+    for sig in EXIT_CODES:
+        signal.signal(sig, note)
+
+
+def held_signal() -> Optional[int]:
+    return _held
+
+
+def hold_again() -> None:
+    """Before each sweep job: a multi-process job's torch elastic agent replaced the hold
+    with handlers that raise, and does not put it back."""
+    if _holding:
+        hold_signals()
+
 
 class StopRequest:
     def __init__(self) -> None:
@@ -36,6 +68,7 @@ class StopRequest:
         self.signum = signum
 
     def install(self) -> "StopRequest":
+        self.signum = self.signum or held_signal()  # taken before this loop began
         for sig in EXIT_CODES:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -4,7 +4,8 @@ Hydra multirun runs every combination, each in its own folder. A job that fails
 (refused config, out of memory, a crash) records why in `job_status.json` and the
 sweep goes on. When the sweep ends (Hydra's `on_multirun_end` callback), or later
 with `runner-report SWEEP_DIR`, the sweep folder gets summary.csv, summary.md and
-loss_curves.png, and the table is printed.
+loss_curves.png, and the table is printed. The `run` column says what this
+invocation did with each job: new, kept, resumed or re-run (runner/sweep_resume.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 
 JOB_STATUS = "job_status.json"
-COLUMNS = ("job", "overrides", "status", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
+COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
 
 
 def write_job_status(job_dir: Path, status: str, wall_s: float, overrides: list[str], reason: Optional[str] = None) -> None:
@@ -41,6 +42,7 @@ class JobRow:
     peak_memory_mb: Optional[float] = None
     wall_s: Optional[float] = None
     reason: Optional[str] = None
+    run: Optional[str] = None  # new | kept | resumed | re-run, as this invocation recorded it
 
 
 def _overrides(job_dir: Path) -> list[str]:
@@ -53,22 +55,31 @@ def _overrides(job_dir: Path) -> list[str]:
 
 
 def collect(sweep_dir: Path) -> list[JobRow]:
+    from runner.sweep_resume import read_records
+
     rows = []
-    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / JOB_STATUS).exists() or (p / "all_results.json").exists())]
-    for job_dir in sorted(jobs, key=lambda p: (len(p.name), p.name)):
+    records = read_records(sweep_dir)
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (
+        (p / JOB_STATUS).exists() or (p / "all_results.json").exists() or p.name in records)]
+    # In job-list order; folders this invocation did not visit (an earlier sweep's) last.
+    order = {name: int(r.get("num", 0)) for name, r in records.items()}
+    for job_dir in sorted(jobs, key=lambda p: (p.name not in order, order.get(p.name, 0), len(p.name), p.name)):
         status = json.loads((job_dir / JOB_STATUS).read_text()) if (job_dir / JOB_STATUS).exists() else {}
+        record = records.get(job_dir.name, {})
         results = json.loads((job_dir / "all_results.json").read_text()) if (job_dir / "all_results.json").exists() else {}
         rows.append(JobRow(
             job=job_dir.name,
-            overrides=" ".join(status.get("overrides") or _overrides(job_dir)),
-            status=status.get("status", "ok" if results else "unknown"),
+            # resume=/overwrite= say how a job was run, not what it is (as its folder name)
+            overrides=" ".join(o for o in status.get("overrides") or _overrides(job_dir) if not o.startswith(("resume=", "overwrite="))),
+            status=record.get("status") or status.get("status", "ok" if results else "unknown"),
             train_loss=results.get("train_loss"),
             eval_loss=results.get("eval_loss"),
             perplexity=results.get("perplexity"),
             tokens_per_s=results.get("train_tokens_per_second"),
             peak_memory_mb=results.get("peak_memory_mb"),
             wall_s=status.get("wall_s"),
-            reason=status.get("reason"),
+            reason=record.get("reason") or status.get("reason"),
+            run=record.get("run"),
         ))
     return rows
 
@@ -90,9 +101,9 @@ def _cell(value: Any) -> str:
 
 def table(rows: list[JobRow]) -> str:
     labels = _varying(rows)
-    header = ["job", "overrides", "status", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s"]
+    header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s"]
     body = [
-        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.train_loss), _cell(r.eval_loss),
+        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.run), _cell(r.train_loss), _cell(r.eval_loss),
          _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s)]
         for r in rows
     ]
@@ -141,7 +152,22 @@ def summarize(sweep_dir: Path) -> list[JobRow]:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: after the last job, write and print the sweep's summary."""
+    """Hydra callback: before the first job, guard the sweep folder; after the last
+    job, write and print the sweep's summary."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from runner.errors import UserError, exit_with
+        from runner.signals import hold_signals
+        from runner.sweep_resume import begin_sweep
+
+        try:
+            begin_sweep(Path(config.hydra.sweep.dir), config.get("resume"), bool(config.get("overwrite")))
+        except UserError as err:
+            exit_with(err)  # SystemExit: Hydra turns a callback's Exception into a warning and runs the jobs
+        if str(config.hydra.launcher.get("_target_", "")).endswith("BasicLauncher"):
+            # Local jobs run in this process: a signal between jobs stops the sweep
+            # cleanly instead of killing it mid-setup. (Slurm jobs get their own.)
+            hold_signals()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -57,3 +57,28 @@ def test_one_process_answers_at_once_without_collectives():
     assert stop.agreed(accelerator) is None
     stop.signum = signal.SIGINT
     assert stop.agreed(accelerator) == signal.SIGINT
+
+
+def test_a_signal_held_between_sweep_jobs_stops_the_next_training_loop(monkeypatch):
+    """A local sweep's launcher holds SIGTERM outside training loops; the next loop
+    starts already asked to stop, so it checkpoints after its first step."""
+    import os
+
+    import runner.signals as signals
+
+    monkeypatch.setattr(signals, "_held", None)
+    monkeypatch.setattr(signals, "_holding", False)
+    saved = {sig: signal.getsignal(sig) for sig in signals.EXIT_CODES}
+    try:
+        signals.hold_signals()
+        first = StopRequest().install()
+        assert first.signum is None  # nothing held yet
+        first.restore()  # back to the hold
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the process without the hold
+        assert signals.held_signal() == signal.SIGTERM
+        stop = StopRequest().install()
+        assert stop.agreed(SimpleNamespace(num_processes=1)) == signal.SIGTERM
+        stop.restore()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
