@@ -34,6 +34,33 @@ def is_zero(strategy: StrategySpec) -> bool:
 DEEPSPEED_FP16 = {"initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
 
 
+def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
+    """ZeRO's bucket and residency sizes from the model's width, in elements.
+
+    DeepSpeed's fixed defaults are sized for billions of parameters: a 5e8-element
+    reduce bucket (2 GB in fp32, filled with every gradient of a smaller model before
+    it is reduced), a 5e7 prefetch and 1e9 for live parameters and reuse distance,
+    which under ZeRO-3 keep every gathered parameter of a model under 1e9 parameters
+    resident from forward through backward: the full model on every rank, the
+    opposite of ZeRO-3. Accelerate's "auto" rule sets the first three from the hidden
+    size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
+    elements stay unpartitioned); runner uses it, and bounds residency by the same
+    measure: at most one prefetch bucket's worth of parameters (beyond the one in use,
+    which is always gathered) stays live or is kept for reuse. Measured in
+    bench/README.md (strategy_memory.py)."""
+    hidden2 = hidden_size * hidden_size
+    sizes = {"reduce_bucket_size": hidden2}
+    if stage == 3:
+        prefetch = int(0.9 * hidden2)
+        sizes.update({
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": prefetch,
+            "stage3_max_reuse_distance": prefetch,
+        })
+    return sizes
+
+
 def deepspeed_config(
     strategy: StrategySpec,
     precision: PrecisionSpec,
@@ -41,18 +68,22 @@ def deepspeed_config(
     max_grad_norm: float,
     per_device_batch_size: int,
     world_size: int,
+    hidden_size: Optional[int] = None,
 ) -> dict[str, Any]:
     """The complete DeepSpeed config for a ZeRO strategy, every value explicit.
 
     Accelerate's plugin leaves "auto" placeholders and fills them in prepare() from its
     own defaults; one of those is gradient_clipping=1.0, so ZeRO clipped even with
     optim.max_grad_norm=0 while ddp did not. Here nothing is left to fill: clipping 0
-    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours.
+    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours. Bucket
+    sizes come from the model's `hidden_size` (zero_sizes); without one (a model config
+    that names no width) DeepSpeed's own defaults apply.
     """
     stage = ZERO_STAGE[strategy.kind]
     zero: dict[str, Any] = {
         "stage": stage,
         "offload_optimizer": {"device": strategy.offload_optimizer.value},
+        **(zero_sizes(stage, hidden_size) if hidden_size else {}),
     }
     if stage == 3:
         zero["offload_param"] = {"device": strategy.offload_params.value}
@@ -100,8 +131,10 @@ def build_accelerator(
     tracking: str = "none",
     logging_dir: Optional[str] = None,
     per_device_batch_size: Optional[int] = None,
+    hidden_size: Optional[int] = None,
 ) -> "Accelerator":
-    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused otherwise."""
+    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused
+    otherwise; hidden_size (the model's width) sizes ZeRO's buckets (zero_sizes)."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
@@ -113,7 +146,9 @@ def build_accelerator(
     if is_zero(strategy):
         if per_device_batch_size is None:
             raise ValueError("a ZeRO strategy needs per_device_batch_size for DeepSpeed's config")
-        config = deepspeed_config(strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size)
+        config = deepspeed_config(
+            strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size, hidden_size
+        )
         plugin = deepspeed_plugin(config)
     if plugin is not None or world_size > 1:
         # Passing a backend makes Accelerate initialise a process group: only when distributed.

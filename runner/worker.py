@@ -170,6 +170,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
         per_device_batch_size=t.per_device_batch_size,
+        hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
     )
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec))

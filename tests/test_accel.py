@@ -135,7 +135,7 @@ def _values(node):
         yield from _values(value) if isinstance(value, dict) else [value]
 
 
-def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8, per_device=4, accum=2):
+def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8, per_device=4, accum=2, hidden_size=None):
     """What a DeepSpeed engine on `world_size` GPUs would read: our config through
     Accelerate's plugin, its mixed-precision step, its prepare()-time filling of
     "auto" values (the same keyword arguments Accelerate 1.15 passes), then
@@ -144,7 +144,7 @@ def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8
 
     from runner.accel import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
 
-    plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size))
+    plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size, hidden_size))
     plugin.set_mixed_precision(MIXED_PRECISION[precision.kind])
     plugin.deepspeed_config_process(
         must_match=False,
@@ -190,6 +190,26 @@ def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
     _, plain = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch)
     assert plain.zero_config.offload_optimizer is None or plain.zero_config.offload_optimizer.device == "none"
     assert plain.zero_config.offload_param is None
+
+
+def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
+    """GPT-2 small (hidden 768): Accelerate's "auto" rule, not DeepSpeed's billion-scale
+    defaults, and no more than a prefetch bucket of gathered parameters kept live."""
+    h = 768
+    _, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), 1.0, monkeypatch, hidden_size=h)
+    zero = parsed.zero_config
+    assert zero.reduce_bucket_size == h * h == 589_824
+    assert zero.prefetch_bucket_size == int(0.9 * h * h) == 530_841
+    assert zero.param_persistence_threshold == 10 * h
+    assert zero.max_live_parameters == zero.max_reuse_distance == 530_841  # DeepSpeed's default: 1e9, the whole model
+
+
+def test_zero2_gets_the_model_sized_reduce_bucket_and_no_zero3_keys(monkeypatch):
+    raw, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch, hidden_size=64)
+    assert parsed.zero_config.reduce_bucket_size == 4096
+    assert not any(key.startswith("stage3_") for key in raw["zero_optimization"])
+    _, unsized = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch)
+    assert unsized.zero_config.reduce_bucket_size == 500_000_000  # no width known: DeepSpeed's own default
 
 
 @pytest.mark.parametrize("cuda", [True, False])
