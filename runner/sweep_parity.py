@@ -40,14 +40,29 @@ class JobParity:
     parity_detail: Optional[str] = None
 
 
+def setting_problems(setting: Optional[str]) -> list[str]:
+    """What is wrong with the form of `sweep.parity_baseline` (checked at launch; which
+    job it names is known only when the sweep ends)."""
+    if setting is None or setting.strip().isdigit():
+        return []
+    tokens = setting.split()
+    if not tokens or not all("=" in t and not t.startswith("=") for t in tokens):
+        return [f"sweep.parity_baseline='{setting}' must be a job index (0, 1, ...) or overrides of one job, "
+                "e.g. 'sweep.parity_baseline=\"strategy=ddp\"'."]
+    return []
+
+
 def pick_baseline(jobs: Sequence[Job], setting: Optional[str]) -> Job:
     """The job named by `sweep.parity_baseline`: null -> the first; digits -> that index
     in the sweep's order (the job folder's number); else overrides, all of which the
     job must have been run with. Raises ValueError unless exactly one job matches."""
     if not jobs:
         raise ValueError("the sweep has no jobs")
-    if setting is None or not str(setting).strip():
+    if setting is None:
         return jobs[0]
+    problems = setting_problems(str(setting))
+    if problems:
+        raise ValueError(problems[0])
     text = str(setting).strip()
     if text.isdigit():
         index = int(text)
