@@ -399,6 +399,35 @@ def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
         safe_set_full_fp32_param(p, weights[name].to(p.device))
 
 
+def share_zero3_fp32_master(engine: Any) -> int:
+    """Under ZeRO-3 in fp32, make the optimizer's fp32 partition the working partition
+    itself instead of a second copy of it; returns the bytes freed (0: nothing to share).
+
+    When the working weights are already fp32 on the optimizer's device, DeepSpeed
+    means to skip its master copy, but it compares `tensor.device == "cpu"` (or
+    "cuda:0"), a torch.device against a string, which is never equal: every rank then
+    keeps two fp32 copies of its partition (measured in bench/README.md). The step
+    copies the master partition into the working one after each update, a copy onto
+    itself once they share storage, so the math is unchanged. Only a bit-equal copy of
+    the same shape, dtype and device is shared."""
+    import torch
+
+    zero = getattr(engine, "optimizer", None)
+    working = getattr(zero, "fp16_partitioned_groups_flat", None)
+    master = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if not working or not master or len(working) != len(master):
+        return 0
+    freed = 0
+    for low, high in zip(working, master):
+        if low is None or high.numel() == 0 or high.data_ptr() == low.data_ptr():
+            continue
+        if (low.dtype, low.device, low.shape) != (high.dtype, high.device, high.shape) or not torch.equal(low, high):
+            continue
+        freed += high.numel() * high.element_size()
+        high.data = low.data
+    return freed
+
+
 def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
     bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank

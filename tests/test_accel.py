@@ -223,3 +223,22 @@ def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cuda))
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=4))
     assert loader._non_blocking is cuda
+
+
+def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_copy():
+    """DeepSpeed keeps a second fp32 copy of each ZeRO-3 partition even in fp32 (its
+    `tensor.device == "cpu"` check is never true); runner points it at the working one."""
+    from types import SimpleNamespace
+
+    from runner.accel import share_zero3_fp32_master
+
+    working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
+    master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
+    engine = SimpleNamespace(optimizer=SimpleNamespace(fp16_partitioned_groups_flat=working, fp32_partitioned_groups_flat=master))
+    assert share_zero3_fp32_master(engine) == 6 * 4
+    assert master[0].data_ptr() == working[0].data_ptr()  # one storage: the step's copy back is onto itself
+    master[0].data.add_(1)
+    assert torch.equal(working[0], torch.arange(1, 7, dtype=torch.float32))
+    assert master[1].dtype == torch.float32 and master[1].data_ptr() != working[1].data_ptr()  # a real master copy stays
+    assert torch.equal(master[2], torch.ones(3))  # never shares values that differ
+    assert share_zero3_fp32_master(SimpleNamespace(optimizer=None)) == 0  # not a ZeRO-3 engine: nothing to do
