@@ -44,10 +44,12 @@ def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
     resident from forward through backward: the full model on every rank, the
     opposite of ZeRO-3. Accelerate's "auto" rule sets the first three from the hidden
     size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
-    elements stay unpartitioned); runner uses it, and bounds residency by the same
-    measure: at most one prefetch bucket's worth of parameters (beyond the one in use,
-    which is always gathered) stays live or is kept for reuse. Measured in
-    bench/README.md (strategy_memory.py)."""
+    elements stay unpartitioned); runner uses it, and bounds the prefetch by the same
+    measure: at most one prefetch bucket's worth of parameters live. The reuse distance
+    stays at DeepSpeed's 1e9: a small one (one prefetch bucket was tried) makes
+    DeepSpeed 0.19 fail with "Cannot partition a param in flight" when an evaluation's
+    short last batch changes the module trace (seen at 2 ranks with 13 eval blocks of
+    batch 4). Measured in bench/README.md (strategy_memory.py)."""
     hidden2 = hidden_size * hidden_size
     sizes = {"reduce_bucket_size": hidden2}
     if stage == 3:
@@ -56,7 +58,7 @@ def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
             "stage3_prefetch_bucket_size": prefetch,
             "stage3_param_persistence_threshold": 10 * hidden_size,
             "stage3_max_live_parameters": prefetch,
-            "stage3_max_reuse_distance": prefetch,
+            "stage3_max_reuse_distance": 10**9,
         })
     return sizes
 
