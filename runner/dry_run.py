@@ -18,7 +18,6 @@ class ModelShape:
 
     parameters: int
     hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/accel.zero_sizes)
-    largest_param: int  # elements of the largest parameter: what ZeRO-3 must gather whole
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
@@ -31,15 +30,14 @@ def model_shape(spec: RunSpec) -> ModelShape:
     config = build_config(spec.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    largest = max((p.numel() for p in model.parameters()), default=0)
-    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), largest)
+    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None))
 
 
 def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
     """Per-rank memory under each compared strategy (no offload), as the dry run prints
     it and bench/strategy_memory.py sets it beside what it measures."""
-    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size,
-                               largest_param=shape.largest_param) for s in COMPARED_STRATEGIES}
+    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size)
+            for s in COMPARED_STRATEGIES}
 
 
 def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
@@ -60,6 +58,6 @@ def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
     offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
     offload_par = spec.strategy.offload_params is OffloadDevice.cpu
     estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par,
-                               hidden_size=shape.hidden_size, largest_param=shape.largest_param)
+                               hidden_size=shape.hidden_size)
     comparison = estimates(shape, plan.precision, world_size)
     return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"

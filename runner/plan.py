@@ -145,14 +145,16 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.buffers
 
 
-def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int], largest_param: int) -> float:
+def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int]) -> float:
     """Working memory beyond the states, in bytes.
 
     ddp: torch's DDP reduces gradients through buckets that are a second copy of every
     gradient (Accelerate leaves gradient_as_bucket_view off). ZeRO: the reduce bucket
-    (runner/accel.zero_sizes), and under ZeRO-3 the gathered parameters: the largest
-    one in use (GPT-2's tied embedding) plus at most one prefetch bucket kept live.
-    Unknown width (hidden_size None): ZeRO's buffers are left out."""
+    (runner/accel.zero_sizes), and under ZeRO-3 the gathered parameters: every one
+    gathered in forward is kept for its reuse in backward (the reuse distance stays at
+    DeepSpeed's 1e9, see zero_sizes), so at the end of forward the whole model is
+    gathered on each rank, at the working precision. Unknown width (hidden_size None):
+    ZeRO's buffers are left out."""
     if strategy == "ddp":
         return n * grad_bytes
     if strategy not in ZERO or not hidden_size:
@@ -163,13 +165,13 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     sizes = zero_sizes(stage, hidden_size)
     total = sizes["reduce_bucket_size"] * grad_bytes
     if stage == 3:
-        total += min(n, largest_param + sizes["stage3_max_live_parameters"]) * weight_bytes
+        total += n * weight_bytes
     return float(total)
 
 
 def estimate_memory(
     n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False,
-    hidden_size: Optional[int] = None, largest_param: int = 0,
+    hidden_size: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -178,8 +180,8 @@ def estimate_memory(
     DeepSpeed with bf16/fp16 keeps 16-bit weights and gradients (2 + 2) and an fp32
     master copy with the moments (12); in fp32, 4 + 4 + 8. ZeRO-2 divides gradients
     and optimizer state by the world size, ZeRO-3 the weights too; offload moves the
-    optimizer state (and, for ZeRO-3, the weights) to host memory. hidden_size and
-    largest_param (elements of the largest parameter) size the buffers (_buffers).
+    optimizer state (and, for ZeRO-3, the weights) to host memory. hidden_size (the
+    model's width) sizes ZeRO's buffers (_buffers).
     """
     n, w = float(n_params), max(world_size, 1)
     half = precision in ("bf16", "fp16") and strategy in ZERO
@@ -196,7 +198,7 @@ def estimate_memory(
     if offload_params and strategy in SHARDS_PARAMS:
         offloaded += params
         params = 0.0
-    buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, largest_param)
+    buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)
 
 
