@@ -1,23 +1,32 @@
-"""Per-rank peak memory of ddp, zero2 and zero3 at 2 processes on a GPT-2-small config.
+"""Per-rank memory of each strategy at 2 processes on a GPT-2-small config, beside the plan's estimate.
 
-Not a test: prints measured figures and the ZeRO / DDP ratios. Two figures per rank,
-both read at the last training step (before the final save, whose ZeRO-3 gather of
-the full model would dominate): `held` is the memory the rank holds then (CUDA
-allocated on a GPU; resident set on a CPU) and `peak` the most it ever held (CUDA max
-allocated; peak RSS). On a CPU both include the interpreter and libraries (about
-1 GB that no strategy can partition), and the peak also includes the full model
-that every rank builds, seeded, before DeepSpeed partitions it.
+Not a test: prints measured figures and their ratios to ddp's, measured in the same
+invocation. Per rank, read at the last training step (before the final save, whose
+ZeRO-3 gather of the full model would dominate):
 
-    python bench/strategy_memory.py            # ~5 minutes on 2 CPU cores
+- `peak`: the most the rank ever held (CUDA max reserved on a GPU; peak RSS on a CPU),
+- `held`: what it holds at that step (CUDA reserved; resident set),
+- `before model`: the host memory the process held before it built the model
+  (interpreter and libraries, which no strategy can shard; all_results.json's
+  host_memory_before_model_mb_per_rank), and `peak - before`, what training added.
+
+Beside them, the `dry_run=true` plan's estimate for the same run (runner/plan.py:
+model states plus the strategy's buffers, activations excluded).
+
+    python bench/strategy_memory.py                       # ~5 minutes on 2 CPU cores
+    python bench/strategy_memory.py --strategies ddp,zero3
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from runner.plan import COMPARED_STRATEGIES
 
 RUN = [
     "recipe=gpt2_clm_tiny",
@@ -35,6 +44,19 @@ RUN = [
 ]
 
 
+def estimate_mb(run_dir: Path) -> float:
+    """The dry-run plan's per-rank estimate for the run's frozen spec."""
+    from runner.dry_run import model_shape
+    from runner.plan import estimate_memory
+    from runner.spec import load_spec
+
+    spec = load_spec(run_dir / "run_spec.yaml")
+    shape = model_shape(spec)
+    est = estimate_memory(shape.parameters, spec.strategy.kind.value, spec.precision.kind.value, 2,
+                          hidden_size=shape.hidden_size)
+    return est.device_total / 2**20
+
+
 def measure(strategy: str, root: Path) -> dict[str, list[float]]:
     run_dir = root / strategy
     done = subprocess.run(
@@ -45,20 +67,37 @@ def measure(strategy: str, root: Path) -> dict[str, list[float]]:
         raise SystemExit(f"{strategy} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "loss" in r][-1]
-    return {"held": last["memory_mb"], "peak": last["peak_memory_mb"]}
+    before = json.loads((run_dir / "all_results.json").read_text())["host_memory_before_model_mb_per_rank"]
+    return {
+        "peak": last["peak_memory_mb"],
+        "held": last["memory_mb"],
+        "before model": before,
+        "peak - before": [p - b for p, b in zip(last["peak_memory_mb"], before)],
+        "plan estimate": [estimate_mb(run_dir)] * 2,
+    }
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default=",".join(COMPARED_STRATEGIES),
+                        help="comma-separated; the first is the baseline of the ratios (default: %(default)s)")
+    strategies = parser.parse_args().strategies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        results = {s: measure(s, Path(tmp)) for s in ("ddp", "zero2", "zero3")}
-    for figure in ("held", "peak"):
-        ddp = max(results["ddp"][figure])
-        print(f"\n{figure} memory per rank at the last training step")
-        print(f"{'strategy':<8} {'rank 0 MB':>10} {'rank 1 MB':>10} {'max / ddp':>10}")
-        for name, measured in results.items():
-            values = measured[figure]
-            print(f"{name:<8} {values[0]:>10,.0f} {values[1]:>10,.0f} {max(values) / ddp:>10.2f}")
-        print(f"zero3 / ddp {figure} per rank: {max(results['zero3'][figure]) / ddp:.2f}")
+        results = {s: measure(s, Path(tmp)) for s in strategies}
+    base = strategies[0]
+    figures = ("peak", "held", "before model", "peak - before", "plan estimate")
+    header = f"| strategy | {' | '.join(f'{f} r0 / r1 MB | / {base}' for f in figures)} |"
+    print(header)
+    print("|---|" + "---|---|" * len(figures))
+    for name, measured in results.items():
+        cells = []
+        for figure in figures:
+            values, ref = measured[figure], max(results[base][figure])
+            cells.append(f"{values[0]:,.0f} / {values[1]:,.0f} | {max(values) / ref:.2f}")
+        print(f"| {name} | {' | '.join(cells)} |")
+    for name in strategies[1:]:
+        ratios = ", ".join(f"{f} {max(results[name][f]) / max(results[base][f]):.2f}" for f in ("peak", "peak - before", "plan estimate"))
+        print(f"{name} / {base} per rank: {ratios}")
 
 
 if __name__ == "__main__":

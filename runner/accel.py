@@ -34,6 +34,35 @@ def is_zero(strategy: StrategySpec) -> bool:
 DEEPSPEED_FP16 = {"initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
 
 
+def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
+    """ZeRO's bucket and residency sizes from the model's width, in elements.
+
+    DeepSpeed's fixed defaults are sized for billions of parameters: a 5e8-element
+    reduce bucket (2 GB in fp32, filled with every gradient of a smaller model before
+    it is reduced), a 5e7 prefetch and 1e9 for live parameters and reuse distance,
+    which under ZeRO-3 keep every gathered parameter of a model under 1e9 parameters
+    resident from forward through backward: the full model on every rank, the
+    opposite of ZeRO-3. Accelerate's "auto" rule sets the first three from the hidden
+    size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
+    elements stay unpartitioned); runner uses it, and bounds the prefetch by the same
+    measure: at most one prefetch bucket's worth of parameters live. The reuse distance
+    stays at DeepSpeed's 1e9: a small one (one prefetch bucket was tried) makes
+    DeepSpeed 0.19 fail with "Cannot partition a param in flight" when an evaluation's
+    short last batch changes the module trace (seen at 2 ranks with 13 eval blocks of
+    batch 4). Measured in bench/README.md (strategy_memory.py)."""
+    hidden2 = hidden_size * hidden_size
+    sizes = {"reduce_bucket_size": hidden2}
+    if stage == 3:
+        prefetch = int(0.9 * hidden2)
+        sizes.update({
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": prefetch,
+            "stage3_max_reuse_distance": 10**9,
+        })
+    return sizes
+
+
 def deepspeed_config(
     strategy: StrategySpec,
     precision: PrecisionSpec,
@@ -41,18 +70,22 @@ def deepspeed_config(
     max_grad_norm: float,
     per_device_batch_size: int,
     world_size: int,
+    hidden_size: Optional[int] = None,
 ) -> dict[str, Any]:
     """The complete DeepSpeed config for a ZeRO strategy, every value explicit.
 
     Accelerate's plugin leaves "auto" placeholders and fills them in prepare() from its
     own defaults; one of those is gradient_clipping=1.0, so ZeRO clipped even with
     optim.max_grad_norm=0 while ddp did not. Here nothing is left to fill: clipping 0
-    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours.
+    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours. Bucket
+    sizes come from the model's `hidden_size` (zero_sizes); without one (a model config
+    that names no width) DeepSpeed's own defaults apply.
     """
     stage = ZERO_STAGE[strategy.kind]
     zero: dict[str, Any] = {
         "stage": stage,
         "offload_optimizer": {"device": strategy.offload_optimizer.value},
+        **(zero_sizes(stage, hidden_size) if hidden_size else {}),
     }
     if stage == 3:
         zero["offload_param"] = {"device": strategy.offload_params.value}
@@ -101,8 +134,10 @@ def build_accelerator(
     logging_dir: Optional[str] = None,
     per_device_batch_size: Optional[int] = None,
     model_type: str = "gpt2",
+    hidden_size: Optional[int] = None,
 ) -> "Accelerator":
-    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused otherwise.
+    """per_device_batch_size is DeepSpeed's micro batch: required under ZeRO, unused
+    otherwise; hidden_size (the model's width) sizes ZeRO's buckets (zero_sizes).
     model_type picks the transformer layer FSDP2 wraps (runner/fsdp.py): used under fsdp only."""
     import torch
     from accelerate import Accelerator
@@ -115,7 +150,9 @@ def build_accelerator(
     if is_zero(strategy):
         if per_device_batch_size is None:
             raise ValueError("a ZeRO strategy needs per_device_batch_size for DeepSpeed's config")
-        config = deepspeed_config(strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size)
+        config = deepspeed_config(
+            strategy, precision, grad_accum_steps, max_grad_norm, per_device_batch_size, world_size, hidden_size
+        )
         plugin = deepspeed_plugin(config)
     fsdp = None
     if strategy.kind is StrategyKind.fsdp:
@@ -401,6 +438,35 @@ def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
 
     for name, p in engine.module.named_parameters():
         safe_set_full_fp32_param(p, weights[name].to(p.device))
+
+
+def share_zero3_fp32_master(engine: Any) -> int:
+    """Under ZeRO-3 in fp32, make the optimizer's fp32 partition the working partition
+    itself instead of a second copy of it; returns the bytes freed (0: nothing to share).
+
+    When the working weights are already fp32 on the optimizer's device, DeepSpeed
+    means to skip its master copy, but it compares `tensor.device == "cpu"` (or
+    "cuda:0"), a torch.device against a string, which is never equal: every rank then
+    keeps two fp32 copies of its partition (measured in bench/README.md). The step
+    copies the master partition into the working one after each update, a copy onto
+    itself once they share storage, so the math is unchanged. Only a bit-equal copy of
+    the same shape, dtype and device is shared."""
+    import torch
+
+    zero = getattr(engine, "optimizer", None)
+    working = getattr(zero, "fp16_partitioned_groups_flat", None)
+    master = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if not working or not master or len(working) != len(master):
+        return 0
+    freed = 0
+    for low, high in zip(working, master):
+        if low is None or high.numel() == 0 or high.data_ptr() == low.data_ptr():
+            continue
+        if (low.dtype, low.device, low.shape) != (high.dtype, high.device, high.shape) or not torch.equal(low, high):
+            continue
+        freed += high.numel() * high.element_size()
+        high.data = low.data
+    return freed
 
 
 def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:

@@ -2,30 +2,48 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-from runner.plan import batches_per_rank, dry_run_report, estimate_memory, plan_run
+from runner.plan import COMPARED_STRATEGIES, MemoryEstimate, batches_per_rank, dry_run_report, estimate_memory, plan_run
 from runner.spec import OffloadDevice, RunSpec, spec_to_yaml
 
 if TYPE_CHECKING:
     from runner.data import PreparedData
 
 
-def count_parameters_cheaply(spec: RunSpec) -> int:
-    """Parameter count of the model the run would build, on the meta device (no memory, no weights)."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate needs of the model."""
+
+    parameters: int
+    hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/accel.zero_sizes)
+
+
+def model_shape(spec: RunSpec) -> ModelShape:
+    """The model the run would build, on the meta device (no memory, no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from runner.model import build_config, count_parameters
 
+    config = build_config(spec.model)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(build_config(spec.model))
-    return count_parameters(model)
+        model = AutoModelForCausalLM.from_config(config)
+    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None))
+
+
+def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
+    """Per-rank memory under each compared strategy (no offload), as the dry run prints
+    it and bench/strategy_memory.py sets it beside what it measures."""
+    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size)
+            for s in COMPARED_STRATEGIES}
 
 
 def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
     import torch
 
+    shape = model_shape(spec)
     plan = plan_run(
         spec,
         world_size,
@@ -33,12 +51,13 @@ def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
         block_size=data.block_size,
         train_blocks=len(data.train),
         eval_blocks=len(data.validation),
-        parameters=count_parameters_cheaply(spec),
+        parameters=shape.parameters,
         precision=spec.precision.kind.value,
         device="cuda" if torch.cuda.is_available() else "cpu",
     )
     offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
     offload_par = spec.strategy.offload_params is OffloadDevice.cpu
-    estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par)
-    comparison = {s: estimate_memory(plan.parameters, s, plan.precision, world_size) for s in ("ddp", "zero2", "zero3")}
+    estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par,
+                               hidden_size=shape.hidden_size)
+    comparison = estimates(shape, plan.precision, world_size)
     return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"

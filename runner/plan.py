@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from runner.spec import RunSpec, TrainSpec
@@ -120,48 +120,86 @@ def banner(plan: RunPlan, run_dir: str) -> str:
     return "\n".join(lines)
 
 
+# The strategies the dry run compares and bench/strategy_memory.py measures; which of
+# them shard gradients with optimizer state, and parameters too. A new strategy is one
+# name here (and its buffers in _buffers).
+COMPARED_STRATEGIES = ("ddp", "zero2", "zero3")
+SHARDS_GRADS_AND_OPTIMIZER = frozenset({"zero2", "zero3"})
+SHARDS_PARAMS = frozenset({"zero3"})
+ZERO = frozenset({"zero2", "zero3"})  # DeepSpeed: 16-bit working weights under bf16/fp16
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank for model states (activations excluded), ZeRO paper arithmetic."""
+    """Bytes per rank for model states (activations excluded), ZeRO paper arithmetic,
+    plus the strategy's working buffers."""
 
     params: float
     grads: float
     optimizer: float
     offloaded: float  # moved to host memory by the offload options
+    buffers: float = 0.0  # DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters
 
     @property
     def device_total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.buffers
+
+
+def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int]) -> float:
+    """Working memory beyond the states, in bytes.
+
+    ddp: torch's DDP reduces gradients through buckets that are a second copy of every
+    gradient (Accelerate leaves gradient_as_bucket_view off). ZeRO: the reduce bucket
+    (runner/accel.zero_sizes), and under ZeRO-3 the gathered parameters: every one
+    gathered in forward is kept for its reuse in backward (the reuse distance stays at
+    DeepSpeed's 1e9, see zero_sizes), so at the end of forward the whole model is
+    gathered on each rank, at the working precision. Unknown width (hidden_size None):
+    ZeRO's buffers are left out."""
+    if strategy == "ddp":
+        return n * grad_bytes
+    if strategy not in ZERO or not hidden_size:
+        return 0.0
+    from runner.accel import zero_sizes
+
+    stage = 3 if strategy in SHARDS_PARAMS else 2
+    sizes = zero_sizes(stage, hidden_size)
+    total = sizes["reduce_bucket_size"] * grad_bytes
+    if stage == 3:
+        total += n * weight_bytes
+    return float(total)
 
 
 def estimate_memory(
-    n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False
+    n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False,
+    hidden_size: Optional[int] = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes for parameters, gradients and AdamW state.
+    """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
     DDP with Accelerate's autocast keeps fp32 weights and gradients whatever the
     precision: 4 + 4 bytes, plus Adam's two fp32 moments, 8: 16 bytes per parameter.
     DeepSpeed with bf16/fp16 keeps 16-bit weights and gradients (2 + 2) and an fp32
     master copy with the moments (12); in fp32, 4 + 4 + 8. ZeRO-2 divides gradients
     and optimizer state by the world size, ZeRO-3 the weights too; offload moves the
-    optimizer state (and, for ZeRO-3, the weights) to host memory.
+    optimizer state (and, for ZeRO-3, the weights) to host memory. hidden_size (the
+    model's width) sizes ZeRO's buffers (_buffers).
     """
     n, w = float(n_params), max(world_size, 1)
-    half = precision in ("bf16", "fp16") and strategy in ("zero2", "zero3")
+    half = precision in ("bf16", "fp16") and strategy in ZERO
     weight_bytes, grad_bytes, optim_bytes = (2.0, 2.0, 12.0) if half else (4.0, 4.0, 8.0)
     params, grads, optimizer = n * weight_bytes, n * grad_bytes, n * optim_bytes
-    if strategy in ("zero2", "zero3"):
+    if strategy in SHARDS_GRADS_AND_OPTIMIZER:
         grads, optimizer = grads / w, optimizer / w
-    if strategy == "zero3":
+    if strategy in SHARDS_PARAMS:
         params = params / w
     offloaded = 0.0
-    if offload_optimizer and strategy in ("zero2", "zero3"):
+    if offload_optimizer and strategy in ZERO:
         offloaded += optimizer
         optimizer = 0.0
-    if offload_params and strategy == "zero3":
+    if offload_params and strategy in SHARDS_PARAMS:
         offloaded += params
         params = 0.0
-    return MemoryEstimate(params, grads, optimizer, offloaded)
+    buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size)
+    return MemoryEstimate(params, grads, optimizer, offloaded, buffers)
 
 
 def _gib(n_bytes: float) -> str:
@@ -185,6 +223,7 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str
         f"    parameters    {_gib(estimate.params)}",
         f"    gradients     {_gib(estimate.grads)}",
         f"    optimizer     {_gib(estimate.optimizer)}",
+        f"    buffers       {_gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters)",
         f"    total         {_gib(estimate.device_total)}"
         + (f"  (+ {_gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
         "  per rank under each strategy: "

@@ -247,6 +247,15 @@ class PrecisionSpec:
 
 
 @dataclass
+class SweepSpec:
+    parity_baseline: Optional[str] = None
+    """The job a sweep's summary compares every other job's per-step loss and gradient
+    norm with (runner/sweep_parity.py): null: the first job; an index ("2", as in the job
+    folder's number); or overrides the job was run with ("strategy=ddp", quoted on the
+    command line). It must name exactly one job, or the summary says why not."""
+
+
+@dataclass
 class RunSpec:
     name: str = "run"
     """Names the run; the default run folder is outputs/<name>/<time>_<hash>."""
@@ -258,6 +267,7 @@ class RunSpec:
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     strategy: StrategySpec = field(default_factory=StrategySpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    sweep: SweepSpec = field(default_factory=SweepSpec)
     overwrite: bool = False
     """Allow writing into a run folder that already holds results."""
     tracking: TrackingKind = TrackingKind.tensorboard

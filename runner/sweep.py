@@ -6,6 +6,8 @@ sweep goes on. When the sweep ends (Hydra's `on_multirun_end` callback), or late
 with `runner-report SWEEP_DIR`, the sweep folder gets summary.csv, summary.md and
 loss_curves.png, and the table is printed. The `run` column says what this
 invocation did with each job: new, kept, resumed or re-run (runner/sweep_resume.py).
+Its parity columns (each job's per-step loss and gradient norm against a baseline
+job) come from runner/sweep_parity.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
+
+from runner.sweep_parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
 
 JOB_STATUS = "job_status.json"
 COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
@@ -99,12 +103,20 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def table(rows: list[JobRow]) -> str:
+def _parity_cells(p: JobParity) -> list[str]:
+    verdict = p.parity if p.parity_detail is None or p.parity in ("ok", "baseline") else f"{p.parity}: {p.parity_detail}"
+    return [_cell(p.max_abs_dloss), "-" if p.max_grad_norm_rel_diff is None else f"{p.max_grad_norm_rel_diff:.3%}", verdict]
+
+
+def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> str:
     labels = _varying(rows)
-    header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s"]
+    parity = parity or {}
+    header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
+              "max |Δloss|", "max grad-norm rel diff", "parity"]
     body = [
-        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.run), _cell(r.train_loss), _cell(r.eval_loss),
-         _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s)]
+        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.run), _cell(r.train_loss),
+         _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
+         *_parity_cells(parity.get(r.job, JobParity()))]
         for r in rows
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -137,14 +149,17 @@ def plot(rows: list[JobRow], sweep_dir: Path, out: Path) -> None:
     plt.close(fig)
 
 
-def summarize(sweep_dir: Path) -> list[JobRow]:
+def summarize(sweep_dir: Path, parity_baseline: Optional[str] = None) -> list[JobRow]:
+    """parity_baseline: as sweep.parity_baseline; None reads it from the jobs' frozen specs."""
     rows = collect(sweep_dir)
+    jobs = [Job(r.job, r.overrides, r.status == "ok") for r in rows]
+    parity, notes = sweep_parity(sweep_dir, jobs, parity_baseline if parity_baseline is not None else baseline_setting(sweep_dir, jobs))
     with (sweep_dir / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS + PARITY_COLUMNS)
         writer.writeheader()
         for r in rows:
-            writer.writerow(asdict(r))
-    text = table(rows)
+            writer.writerow({**asdict(r), **asdict(parity.get(r.job, JobParity()))})
+    text = table(rows, parity) + "".join(f"\n\n{note}" for note in notes)
     (sweep_dir / "summary.md").write_text(f"# Sweep {sweep_dir.name}\n\n{text}\n\n![loss curves](loss_curves.png)\n")
     plot(rows, sweep_dir, sweep_dir / "loss_curves.png")
     print(f"\nrunner: sweep summary ({sweep_dir})\n{text}")
@@ -183,11 +198,13 @@ def report_main(argv: Optional[list[str]] = None) -> None:
     """`runner-report SWEEP_DIR`: rebuild a sweep's summary from its job folders."""
     parser = argparse.ArgumentParser(prog="runner-report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("--parity-baseline", default=None,
+                        help="the job to compare the others with, as sweep.parity_baseline (default: what the sweep ran with)")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():
         sys.stderr.write(f"runner-report: error: no such folder '{args.sweep_dir}'. Give a sweep folder (hydra.sweep.dir).\n")
         raise SystemExit(2)
-    rows = summarize(args.sweep_dir)
+    rows = summarize(args.sweep_dir, args.parity_baseline)
     if not rows:
         sys.stderr.write(f"runner-report: error: '{args.sweep_dir}' holds no job folders.\n")
         raise SystemExit(2)

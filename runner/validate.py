@@ -266,6 +266,13 @@ def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]
     return []
 
 
+def check_sweep(spec: RunSpec) -> list[str]:
+    """sweep.parity_baseline's form; which job it names is checked when the sweep ends."""
+    from runner.sweep_parity import setting_problems
+
+    return setting_problems(spec.sweep.parity_baseline)
+
+
 def check_accelerate_environment(spec: RunSpec) -> list[str]:
     """An outer `accelerate launch` passes its settings as ACCELERATE_* variables. Accelerate
     lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS override the value runner passes, and ignores
@@ -344,7 +351,7 @@ def derive_accumulation(spec: RunSpec, world_size: int) -> list[str]:
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_accelerate_environment, check_machine,
-    check_gpu_precision, check_zero_save, check_fsdp, check_data_source, check_model,
+    check_gpu_precision, check_zero_save, check_fsdp, check_data_source, check_model, check_sweep,
 )
 
 

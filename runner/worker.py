@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from runner.spec import RunSpec, load_spec
+from runner.spec import OffloadDevice, RunSpec, StrategyKind, load_spec
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -135,11 +135,11 @@ def train(spec: RunSpec) -> dict[str, Any]:
 
     from runner.accel import (
         build_accelerator, check_engaged, check_in_sync, describe, fp32_copy, is_zero, rank_fingerprints,
-        set_zero_master_weights, skip_output_upcast, unwrap,
+        set_zero_master_weights, share_zero3_fp32_master, skip_output_upcast, unwrap,
     )
     from runner.data import prepare, resolve_block_size
     from runner.log import setup_logging
-    from runner.metrics import peak_memory_mb, summary_table, write_results
+    from runner.metrics import current_memory_mb, peak_memory_mb, summary_table, write_results
     from runner.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
     from runner.optim import build_optimizer, build_scheduler, effective_lr
     from runner.plan import banner, global_batch, plan_run
@@ -161,6 +161,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     # The model is built, seeded, before the Accelerator: under ZeRO-3 a model built
     # afterwards is initialised inside the engine and its weights differ from DDP's.
     set_seed(t.seed)
+    # What the process holds before any model state exists (interpreter, libraries):
+    # peak memory above it is what training adds (bench/strategy_memory.py reads it).
+    before_model_mb = current_memory_mb(None)
     tokenizer = build_tokenizer(spec.model)
     config = build_config(spec.model)
     model = build_model(spec.model, config, len(tokenizer))
@@ -170,6 +173,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
         per_device_batch_size=t.per_device_batch_size, model_type=config.model_type,
+        hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
     )
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec))
@@ -190,6 +194,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
     if initial is not None:
         set_zero_master_weights(model, initial)  # ZeRO starts from the same fp32 weights as ddp
         del initial
+    elif spec.strategy.kind is StrategyKind.zero3 and spec.strategy.offload_optimizer is OffloadDevice.none:
+        share_zero3_fp32_master(model)  # fp32: one copy of each partition, not two
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     world_size = accelerator.num_processes
     optimizer_in_use = check_engaged(accelerator, model, optimizer, spec, planned_world_size(spec.launch))
@@ -263,8 +269,9 @@ def train(spec: RunSpec) -> dict[str, Any]:
     fingerprints = rank_fingerprints(accelerator, model, spec.strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
-    peaks = accelerator.gather(torch.tensor([peak_memory_mb(accelerator.device)], device=accelerator.device))
-    train_results["peak_memory_mb_per_rank"] = [round(float(v), 1) for v in peaks.cpu()]
+    memory = accelerator.gather(torch.tensor([[peak_memory_mb(accelerator.device), before_model_mb]], device=accelerator.device))
+    train_results["peak_memory_mb_per_rank"] = [round(float(v), 1) for v in memory[:, 0].cpu()]
+    train_results["host_memory_before_model_mb_per_rank"] = [round(float(v), 1) for v in memory[:, 1].cpu()]
     train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
     if t.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable

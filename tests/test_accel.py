@@ -135,7 +135,7 @@ def _values(node):
         yield from _values(value) if isinstance(value, dict) else [value]
 
 
-def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8, per_device=4, accum=2):
+def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8, per_device=4, accum=2, hidden_size=None):
     """What a DeepSpeed engine on `world_size` GPUs would read: our config through
     Accelerate's plugin, its mixed-precision step, its prepare()-time filling of
     "auto" values (the same keyword arguments Accelerate 1.15 passes), then
@@ -144,7 +144,7 @@ def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8
 
     from runner.accel import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
 
-    plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size))
+    plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size, hidden_size))
     plugin.set_mixed_precision(MIXED_PRECISION[precision.kind])
     plugin.deepspeed_config_process(
         must_match=False,
@@ -192,6 +192,27 @@ def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
     assert plain.zero_config.offload_param is None
 
 
+def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
+    """GPT-2 small (hidden 768): Accelerate's "auto" rule, not DeepSpeed's billion-scale
+    defaults, and no more than a prefetch bucket of gathered parameters kept live."""
+    h = 768
+    _, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), 1.0, monkeypatch, hidden_size=h)
+    zero = parsed.zero_config
+    assert zero.reduce_bucket_size == h * h == 589_824
+    assert zero.prefetch_bucket_size == int(0.9 * h * h) == 530_841
+    assert zero.param_persistence_threshold == 10 * h
+    assert zero.max_live_parameters == 530_841  # DeepSpeed's default: 1e9, the whole model
+    assert zero.max_reuse_distance == 10**9  # smaller fails after an uneven eval batch (zero_sizes)
+
+
+def test_zero2_gets_the_model_sized_reduce_bucket_and_no_zero3_keys(monkeypatch):
+    raw, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch, hidden_size=64)
+    assert parsed.zero_config.reduce_bucket_size == 4096
+    assert not any(key.startswith("stage3_") for key in raw["zero_optimization"])
+    _, unsized = _engine_config(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), 1.0, monkeypatch)
+    assert unsized.zero_config.reduce_bucket_size == 500_000_000  # no width known: DeepSpeed's own default
+
+
 @pytest.mark.parametrize("cuda", [True, False])
 def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     """The prepared loader copies with non_blocking=True on a GPU (Accelerate's
@@ -203,3 +224,22 @@ def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cuda))
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=4))
     assert loader._non_blocking is cuda
+
+
+def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_copy():
+    """DeepSpeed keeps a second fp32 copy of each ZeRO-3 partition even in fp32 (its
+    `tensor.device == "cpu"` check is never true); runner points it at the working one."""
+    from types import SimpleNamespace
+
+    from runner.accel import share_zero3_fp32_master
+
+    working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
+    master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
+    engine = SimpleNamespace(optimizer=SimpleNamespace(fp16_partitioned_groups_flat=working, fp32_partitioned_groups_flat=master))
+    assert share_zero3_fp32_master(engine) == 6 * 4
+    assert master[0].data_ptr() == working[0].data_ptr()  # one storage: the step's copy back is onto itself
+    master[0].data.add_(1)
+    assert torch.equal(working[0], torch.arange(1, 7, dtype=torch.float32))
+    assert master[1].dtype == torch.float32 and master[1].data_ptr() != working[1].data_ptr()  # a real master copy stays
+    assert torch.equal(master[2], torch.ones(3))  # never shares values that differ
+    assert share_zero3_fp32_master(SimpleNamespace(optimizer=None)) == 0  # not a ZeRO-3 engine: nothing to do

@@ -16,10 +16,11 @@ def test_batches_and_steps():
     assert total_steps(None, 3, 7) == 21 and total_steps(5, 3, 7) == 5 and total_steps(None, 0.5, 7) == 4
 
 
-def test_ddp_keeps_16_bytes_per_parameter_on_every_rank():
+def test_ddp_keeps_16_bytes_per_parameter_on_every_rank_and_a_second_copy_of_the_gradients():
     est = estimate_memory(P, "ddp", "fp32", 8)
     assert (est.params, est.grads, est.optimizer) == (4 * P, 4 * P, 8 * P)
-    assert estimate_memory(P, "ddp", "bf16", 8).device_total == 16 * P  # autocast keeps fp32 weights
+    assert est.buffers == 4 * P  # DDP's gradient buckets (gradient_as_bucket_view off)
+    assert estimate_memory(P, "ddp", "bf16", 8).device_total == 20 * P  # autocast keeps fp32 weights
 
 
 def test_zero2_partitions_gradients_and_optimizer():
@@ -29,9 +30,19 @@ def test_zero2_partitions_gradients_and_optimizer():
 
 def test_zero3_partitions_everything():
     est = estimate_memory(P, "zero3", "bf16", 8)
-    assert est.device_total == pytest.approx(16 * P / 8)
+    assert est.device_total == pytest.approx(16 * P / 8)  # no width given: no buffers counted
     fp32 = estimate_memory(P, "zero3", "fp32", 4)
     assert fp32.device_total == pytest.approx(16 * P / 4)
+
+
+def test_zero_buffers_follow_the_model_sized_buckets():
+    h = 768  # GPT-2 small
+    z3 = estimate_memory(P, "zero3", "fp32", 2, hidden_size=h)
+    # the reduce bucket (h² gradients) + the whole model gathered by the end of forward
+    assert z3.buffers == 4 * h * h + 4 * P
+    assert estimate_memory(P, "zero2", "bf16", 2, hidden_size=h).buffers == 2 * h * h
+    ddp = estimate_memory(P, "ddp", "fp32", 2, hidden_size=h)
+    assert z3.device_total / ddp.device_total == pytest.approx((12 * P + 4 * h * h) / (20 * P))
 
 
 def test_offload_moves_state_to_the_host():
@@ -56,5 +67,6 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "tokens/step     4,096 = 32 x 128" in out
     assert f"epochs of {per_epoch:,} steps over {blocks:,} blocks" in out
     assert "parameters      3,324,736" in out
-    assert "ddp 50.7 MiB | zero2 " in out and "zero3 25.4 MiB" in out
+    assert "ddp 63.4 MiB | zero2 " in out and "zero3 " in out  # 3,324,736 x 20 bytes
+    assert "buffers       " in out
     assert not run_dir.exists()

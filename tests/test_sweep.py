@@ -12,10 +12,11 @@ from conftest import MICRO
 SHORT = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]
 
 
-def sweep(sweep_dir, *overrides):
+def sweep(sweep_dir, *overrides, timeout=600):
+    """timeout: a guard against a hung sweep, not a speed check."""
     return subprocess.run(
         [sys.executable, "-m", "runner", "-m", *SHORT, *overrides, f"hydra.sweep.dir={sweep_dir}"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=timeout,
     )
 
 
@@ -82,3 +83,21 @@ def test_slurm_launcher_config_composes():
                       return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.nodes == 2
+
+
+@pytest.mark.slow
+def test_a_strategy_sweep_certifies_parity(tmp_path):
+    """ddp vs zero2 at 2 processes, dropout off (MICRO): the summary's parity columns say ok."""
+    sweep_dir = tmp_path / "sweep"
+    done = sweep(sweep_dir, "strategy=ddp,zero2", "launch.nproc_per_node=2", timeout=1800)  # 4 processes: slow on a loaded CI box
+    assert done.returncode == 0, done.stderr[-3000:]
+    with (sweep_dir / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert ["strategy=ddp" in rows[0]["overrides"], "strategy=zero2" in rows[1]["overrides"]] == [True, True]
+    assert [r["parity"] for r in rows] == ["baseline", "ok"], rows[1]["parity_detail"]
+    assert 0 <= float(rows[1]["max_abs_dloss"]) <= 1e-4
+    assert 0 <= float(rows[1]["max_grad_norm_rel_diff"]) <= 1e-3
+    assert float(rows[1]["tokens_per_s"]) > 0 and float(rows[1]["peak_memory_mb"]) > 0
+    summary = (sweep_dir / "summary.md").read_text()
+    assert "| parity |" in summary and "Dropout was on" not in summary
+    assert "max |Δloss|" in done.stdout

@@ -75,6 +75,7 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "strategy.config_file": lambda tmp: str(tmp / "missing.yaml"),
     "resume": lambda tmp: str(tmp / "no_checkpoint"),
     "run_dir": lambda tmp: str(tmp / "elsewhere"),
+    "sweep.parity_baseline": lambda tmp: "strategy",  # neither an index nor key=value overrides
 }
 
 

@@ -1,0 +1,119 @@
+"""A sweep's parity columns, on synthetic job folders (no training)."""
+
+import csv
+import json
+
+import pytest
+
+from runner.sweep import summarize
+from runner.sweep_parity import Job, dropout_settings, pick_baseline
+
+GPT2_NO_DROPOUT = {"model_type": "gpt2", "n_embd": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                   "summary_first_dropout": 0.1}  # the classification head's: not a causal LM's dropout
+LOSSES = [10.8, 10.5, 10.1, 9.7, 9.2, 8.8]
+NORMS = [3.1, 2.9, 2.6, 2.2, 1.9, 1.7]
+
+
+def make_job(sweep_dir, num, overrides, loss_shift=0.0, norm_factor=1.0, config=GPT2_NO_DROPOUT, status="ok"):
+    job = sweep_dir / f"{num}_abc{num}"
+    job.mkdir(parents=True)
+    (job / "job_status.json").write_text(json.dumps({"status": status, "wall_s": 5.0, "overrides": overrides, "reason": None}))
+    if status != "ok":
+        return job
+    (job / "all_results.json").write_text(json.dumps({"train_loss": LOSSES[-1], "peak_memory_mb": 900.0}))
+    lines = [{"step": i + 1, "loss": loss + loss_shift, "grad_norm": norm * norm_factor, "lr": 1e-3}
+             for i, (loss, norm) in enumerate(zip(LOSSES, NORMS))]
+    lines.insert(3, {"step": 3, "eval_loss": 9.9})  # evaluation lines are not compared
+    (job / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (job / "model").mkdir()
+    (job / "model" / "config.json").write_text(json.dumps(config))
+    return job
+
+
+def read_csv(sweep_dir):
+    with (sweep_dir / "summary.csv").open() as handle:
+        return {row["job"]: row for row in csv.DictReader(handle)}
+
+
+def test_equal_runs_pass_and_a_one_percent_gradient_norm_gap_fails(tmp_path):
+    make_job(tmp_path, 0, ["strategy=ddp"])
+    make_job(tmp_path, 1, ["strategy=zero2"], loss_shift=3e-6, norm_factor=1.0004)  # summation order: within
+    make_job(tmp_path, 2, ["strategy=zero3"], norm_factor=1.01)  # same losses, gradients 1% off
+    summarize(tmp_path)
+    rows = read_csv(tmp_path)
+    assert rows["0_abc0"]["parity"] == "baseline"
+    assert rows["1_abc1"]["parity"] == "ok"
+    assert float(rows["1_abc1"]["max_abs_dloss"]) == pytest.approx(3e-6, rel=1e-3)
+    assert float(rows["1_abc1"]["max_grad_norm_rel_diff"]) == pytest.approx(4e-4, rel=1e-3)
+    assert rows["2_abc2"]["parity"] == "FAILED"
+    assert float(rows["2_abc2"]["max_abs_dloss"]) == 0.0
+    assert float(rows["2_abc2"]["max_grad_norm_rel_diff"]) == pytest.approx(0.01, rel=1e-6)
+    assert rows["2_abc2"]["parity_detail"].startswith("step 1: grad_norm 3.1 vs 3.131 (1.00% apart, allowed 0.1%)")
+    assert "(+5 more)" in rows["2_abc2"]["parity_detail"]
+    md = (tmp_path / "summary.md").read_text()
+    assert "| max |Δloss| | max grad-norm rel diff | parity |" in md
+    assert "| 1.000% | FAILED: step 1: grad_norm" in md
+    assert "against job 0_abc0 (strategy=ddp)" in md
+    assert "Dropout was on" not in md
+
+
+def test_the_baseline_can_be_named_by_overrides_or_index(tmp_path):
+    make_job(tmp_path, 0, ["strategy=ddp"], norm_factor=1.01)
+    make_job(tmp_path, 1, ["strategy=zero2"])
+    make_job(tmp_path, 2, ["strategy=zero3"])
+    summarize(tmp_path, "strategy=zero2")
+    rows = read_csv(tmp_path)
+    assert [rows[j]["parity"] for j in ("0_abc0", "1_abc1", "2_abc2")] == ["FAILED", "baseline", "ok"]
+    summarize(tmp_path, "2")
+    assert read_csv(tmp_path)["2_abc2"]["parity"] == "baseline"
+
+
+def test_a_baseline_matching_no_job_is_said_not_guessed(tmp_path):
+    make_job(tmp_path, 0, ["strategy=ddp"])
+    make_job(tmp_path, 1, ["strategy=zero2"])
+    summarize(tmp_path, "strategy=zero9")
+    rows = read_csv(tmp_path)
+    assert {r["parity"] for r in rows.values()} == {"-"}
+    assert "No parity columns: sweep.parity_baseline='strategy=zero9' matches no job" in (tmp_path / "summary.md").read_text()
+    jobs = [Job("0_a", "strategy=ddp precision=fp32", True), Job("1_b", "strategy=ddp precision=bf16", True)]
+    with pytest.raises(ValueError, match="matches 2 jobs"):
+        pick_baseline(jobs, "strategy=ddp")
+    with pytest.raises(ValueError, match="jobs 0..1"):
+        pick_baseline(jobs, "5")
+
+
+def test_dropout_on_means_no_parity_expected_and_the_summary_says_how_to_switch_it_off(tmp_path):
+    with_dropout = {**GPT2_NO_DROPOUT, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    make_job(tmp_path, 0, ["strategy=ddp"], config=with_dropout)
+    make_job(tmp_path, 1, ["strategy=zero2"], loss_shift=0.05, config=with_dropout)
+    summarize(tmp_path)
+    row = read_csv(tmp_path)["1_abc1"]
+    assert row["parity"] == "not expected"
+    assert row["parity_detail"].startswith("dropout on (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1)")
+    assert float(row["max_abs_dloss"]) == pytest.approx(0.05)
+    md = (tmp_path / "summary.md").read_text()
+    assert "Dropout was on (jobs 1_abc1), so no parity was expected" in md
+    assert "resid_pdrop=0,embd_pdrop=0,attn_pdrop=0" in md
+
+
+def test_failed_jobs_get_no_parity_and_a_failed_baseline_is_named(tmp_path):
+    make_job(tmp_path, 0, ["precision=fp16"], status="failed")
+    make_job(tmp_path, 1, ["precision=fp32"])
+    summarize(tmp_path)
+    assert "the baseline job 0_abc0 has no per-step metrics" in (tmp_path / "summary.md").read_text()
+    summarize(tmp_path, "1")
+    rows = read_csv(tmp_path)
+    assert (rows["0_abc0"]["parity"], rows["1_abc1"]["parity"]) == ("-", "baseline")
+
+
+def test_dropout_settings_reads_any_models_dropout_names():
+    assert dropout_settings(GPT2_NO_DROPOUT) == {}
+    assert dropout_settings({"hidden_dropout_prob": 0.1, "attention_dropout": 0.0, "use_cache": True}) == {
+        "hidden_dropout_prob": 0.1}
+
+
+def test_parity_baseline_is_in_the_schema(compose_spec):
+    assert compose_spec("recipe=gpt2_clm_tiny", "sweep.parity_baseline=2").sweep.parity_baseline == "2"
+    assert compose_spec("recipe=gpt2_clm_tiny").sweep.parity_baseline is None
+    with pytest.raises(Exception, match="parity_basline"):  # a typo fails at compose time
+        compose_spec("recipe=gpt2_clm_tiny", "sweep.parity_basline=2")
