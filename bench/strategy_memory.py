@@ -53,7 +53,7 @@ def estimate_mb(run_dir: Path) -> float:
     spec = load_spec(run_dir / "run_spec.yaml")
     shape = model_shape(spec)
     est = estimate_memory(shape.parameters, spec.strategy.kind.value, spec.precision.kind.value, 2,
-                          hidden_size=shape.hidden_size)
+                          hidden_size=shape.hidden_size, layers=shape.layers)
     return est.device_total / 2**20
 
 

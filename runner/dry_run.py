@@ -18,6 +18,7 @@ class ModelShape:
 
     parameters: int
     hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/accel.zero_sizes)
+    layers: Optional[int] = None  # transformer layers: FSDP2 gathers one or two at a time
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
@@ -30,13 +31,13 @@ def model_shape(spec: RunSpec) -> ModelShape:
     config = build_config(spec.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None))
+    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None))
 
 
 def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
     """Per-rank memory under each compared strategy (no offload), as the dry run prints
     it and bench/strategy_memory.py sets it beside what it measures."""
-    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size)
+    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size, layers=shape.layers)
             for s in COMPARED_STRATEGIES}
 
 
@@ -58,6 +59,6 @@ def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
     offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
     offload_par = spec.strategy.offload_params is OffloadDevice.cpu
     estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par,
-                               hidden_size=shape.hidden_size)
+                               hidden_size=shape.hidden_size, layers=shape.layers)
     comparison = estimates(shape, plan.precision, world_size)
     return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"

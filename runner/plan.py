@@ -123,9 +123,9 @@ def banner(plan: RunPlan, run_dir: str) -> str:
 # The strategies the dry run compares and bench/strategy_memory.py measures; which of
 # them shard gradients with optimizer state, and parameters too. A new strategy is one
 # name here (and its buffers in _buffers).
-COMPARED_STRATEGIES = ("ddp", "zero2", "zero3")
-SHARDS_GRADS_AND_OPTIMIZER = frozenset({"zero2", "zero3"})
-SHARDS_PARAMS = frozenset({"zero3"})
+COMPARED_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
+SHARDS_GRADS_AND_OPTIMIZER = frozenset({"zero2", "zero3", "fsdp"})
+SHARDS_PARAMS = frozenset({"zero3", "fsdp"})
 ZERO = frozenset({"zero2", "zero3"})  # DeepSpeed: 16-bit working weights under bf16/fp16
 
 
@@ -138,11 +138,22 @@ class MemoryEstimate:
     grads: float
     optimizer: float
     offloaded: float  # moved to host memory by the offload options
-    buffers: float = 0.0  # DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters
+    buffers: float = 0.0  # DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered units
 
     @property
     def device_total(self) -> float:
         return self.params + self.grads + self.optimizer + self.buffers
+
+
+def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int) -> float:
+    """FSDP2 (runner/fsdp.py wraps each transformer layer and the root): the root's
+    parameters (embeddings, final norm: all outside the layers) stay gathered through
+    the step, at most two layers are gathered at once (the one computing and the one
+    prefetched), both at the compute precision, and one layer's gradients wait in fp32
+    for their reduce-scatter. A layer is taken as GPT-2's 12 h² weights."""
+    layer = 12.0 * hidden_size * hidden_size
+    root = max(n - layers * layer, 0.0)
+    return (root + 2 * layer) * compute_bytes + layer * 4.0
 
 
 def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int]) -> float:
@@ -172,6 +183,7 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
 def estimate_memory(
     n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False,
     hidden_size: Optional[int] = None,
+    layers: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -181,7 +193,9 @@ def estimate_memory(
     master copy with the moments (12); in fp32, 4 + 4 + 8. ZeRO-2 divides gradients
     and optimizer state by the world size, ZeRO-3 the weights too; offload moves the
     optimizer state (and, for ZeRO-3, the weights) to host memory. hidden_size (the
-    model's width) sizes ZeRO's buffers (_buffers).
+    model's width) sizes ZeRO's buffers (_buffers). fsdp (FSDP2) keeps fp32 shards of
+    all three whatever the precision (its mixed precision casts a gathered copy), and
+    its CPU offload moves all three to the host; its buffers need `layers` as well.
     """
     n, w = float(n_params), max(world_size, 1)
     half = precision in ("bf16", "fp16") and strategy in ZERO
@@ -195,10 +209,17 @@ def estimate_memory(
     if offload_optimizer and strategy in ZERO:
         offloaded += optimizer
         optimizer = 0.0
-    if offload_params and strategy in SHARDS_PARAMS:
+    if offload_params and strategy == "fsdp":
+        offloaded += params + grads + optimizer
+        params = grads = optimizer = 0.0
+    elif offload_params and strategy in SHARDS_PARAMS:
         offloaded += params
         params = 0.0
-    buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size)
+    if strategy == "fsdp":
+        compute_bytes = 2.0 if precision in ("bf16", "fp16") else 4.0
+        buffers = _fsdp_buffers(n, compute_bytes, hidden_size, layers) if hidden_size and layers else 0.0
+    else:
+        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)
 
 
@@ -223,7 +244,7 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str
         f"    parameters    {_gib(estimate.params)}",
         f"    gradients     {_gib(estimate.grads)}",
         f"    optimizer     {_gib(estimate.optimizer)}",
-        f"    buffers       {_gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters)",
+        f"    buffers       {_gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered root and layers)",
         f"    total         {_gib(estimate.device_total)}"
         + (f"  (+ {_gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
         "  per rank under each strategy: "

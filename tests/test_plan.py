@@ -45,6 +45,19 @@ def test_zero_buffers_follow_the_model_sized_buckets():
     assert z3.device_total / ddp.device_total == pytest.approx((12 * P + 4 * h * h) / (20 * P))
 
 
+def test_fsdp_shards_fp32_states_and_gathers_the_root_and_two_layers():
+    h, layers = 768, 12  # GPT-2 small
+    layer = 12 * h * h
+    fp32 = estimate_memory(P, "fsdp", "fp32", 2, hidden_size=h, layers=layers)
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * P / 2, 4 * P / 2, 8 * P / 2)
+    assert fp32.buffers == (P - layers * layer + 2 * layer) * 4 + layer * 4
+    bf16 = estimate_memory(P, "fsdp", "bf16", 2, hidden_size=h, layers=layers)
+    assert bf16.params == fp32.params  # fp32 shards; only the gathered copy is bf16
+    assert bf16.buffers == (P - layers * layer + 2 * layer) * 2 + layer * 4
+    offloaded = estimate_memory(P, "fsdp", "fp32", 2, offload_params=True)
+    assert offloaded.params == offloaded.grads == offloaded.optimizer == 0 and offloaded.offloaded == 16 * P / 2
+
+
 def test_offload_moves_state_to_the_host():
     est = estimate_memory(P, "zero3", "bf16", 4, offload_optimizer=True, offload_params=True)
     assert est.optimizer == 0 and est.params == 0
