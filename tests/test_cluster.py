@@ -276,11 +276,35 @@ def test_a_submitit_sweep_runs_its_jobs_on_slurm_like_a_local_sweep(cluster, tmp
 
     ran = _wait("both sweep jobs finished in sacct", finished, 120, every=2)
     assert all(state == "COMPLETED" and node.startswith("rtc-node") for _, state, node in ran), ran
+    # A job's folder is named by its overrides (not its number), so the same job has the
+    # same folder name in both sweeps.
+    jobs = sorted(p.parent.name for p in (tmp_path / "local").glob("*/all_results.json"))
+    assert len(jobs) == 2 and jobs == sorted(p.parent.name for p in (tmp_path / "slurm").glob("*/all_results.json"))
     deltas = []
-    for job in ("0", "1"):
-        here = json.loads(next((tmp_path / "local").glob(f"{job}_*/all_results.json")).read_text())
-        there = json.loads(next((tmp_path / "slurm").glob(f"{job}_*/all_results.json")).read_text())
+    for job in jobs:
+        here = json.loads((tmp_path / "local" / job / "all_results.json").read_text())
+        there = json.loads((tmp_path / "slurm" / job / "all_results.json").read_text())
         deltas += [abs(here[k] - there[k]) for k in ("train_loss", "eval_loss")]
         assert there["eval_loss"] == pytest.approx(here["eval_loss"], abs=1e-4)
         assert there["train_loss"] == pytest.approx(here["train_loss"], abs=1e-4)
     print(f"\nsubmitit sweep on Slurm: 2 jobs in {elapsed:.1f} s, max |loss - local sweep| = {max(deltas):.2e}", file=sys.stderr)
+
+    # Submitted again with resume=auto, the sweep continues: both jobs finished, so both
+    # are kept, their files untouched, and the summary says so.
+    def digests() -> dict[str, str]:
+        import hashlib
+
+        return {str(p.relative_to(tmp_path / "slurm")): hashlib.sha256(p.read_bytes()).hexdigest()
+                for job in jobs for p in sorted((tmp_path / "slurm" / job).rglob("*")) if p.is_file()}
+
+    before = digests()
+    again = subprocess.run(
+        [sys.executable, "-m", "runner", *sweep, "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={tmp_path / 'slurm'}",
+         "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=1", "hydra.launcher.timeout_min=20", "resume=auto"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=cluster)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert digests() == before
+    with open(tmp_path / "slurm" / "summary.csv", newline="") as handle:
+        import csv
+
+        assert sorted(row["run"] for row in csv.DictReader(handle)) == ["kept", "kept"]
