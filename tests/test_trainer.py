@@ -71,15 +71,20 @@ def adam_steps(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(inner.state[p]["step"]) for group in inner.param_groups for p in group["params"] if p in inner.state]
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["clipping_off", "clipping_on"])
-def test_inf_gradient_with_finite_loss_stops_before_the_update_host_checked(tmp_path, max_grad_norm):
-    """foreach AdamW cannot take a device-side verdict: it is read before the step."""
+def ddp_path_with_inf_hook(tmp_path: Path, max_grad_norm: float, fused: bool):
+    """A one-process (ddp-path) trainer whose model can be given an inf gradient."""
     accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
     model = micro_model()
     inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     model, optimizer = accelerator.prepare(model, optimizer)
-    trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
+    return model, optimizer, inject, make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0], ids=["clipping_off", "clipping_on"])
+def test_inf_gradient_with_finite_loss_stops_before_the_update_host_checked(tmp_path, max_grad_norm):
+    """foreach AdamW cannot take a device-side verdict: it is read before the step."""
+    model, optimizer, inject, trainer = ddp_path_with_inf_hook(tmp_path, max_grad_norm, fused=False)
     first, second = batches(2)
     assert trainer.train_step(first)
     assert trainer.grad_norm is not None and 0 < float(trainer.grad_norm) < float("inf")  # computed even unclipped
@@ -96,12 +101,7 @@ def test_inf_gradient_with_fused_adamw_is_skipped_on_the_device_and_stops_the_ru
     """The default fused AdamW gets the verdict as GradScaler's `found_inf`, on the device:
     no host sync in the step; the update (weights and Adam moments) is skipped by the
     kernel, and the host reads the verdict at the next step and stops there."""
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
-    model = micro_model()
-    inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=max_grad_norm)
+    model, optimizer, inject, trainer = ddp_path_with_inf_hook(tmp_path, max_grad_norm, fused=True)
     first, second, third = batches(3)
     assert trainer.train_step(first)
     assert trainer.unread_verdict is not None  # left on the device, not read by the step
