@@ -8,6 +8,7 @@ silently on CPU (for example to unsynchronised copies), and we never do.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -419,6 +420,12 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    # DeepSpeed caches a clone of the world process group in a module global; once this
+    # run's group is destroyed the clone is stale, and the next in-process ZeRO job (a
+    # one-process ZeRO sweep) fails in initialize() with "Group ... is not registered".
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._WORLD_GROUP = None
 
 
 def fp32_copy(model: Any) -> dict[str, Any]:
