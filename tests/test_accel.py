@@ -243,3 +243,13 @@ def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_c
     assert master[1].dtype == torch.float32 and master[1].data_ptr() != working[1].data_ptr()  # a real master copy stays
     assert torch.equal(master[2], torch.ones(3))  # never shares values that differ
     assert share_zero3_fp32_master(SimpleNamespace(optimizer=None)) == 0  # not a ZeRO-3 engine: nothing to do
+
+
+def test_reset_forgets_deepspeeds_cached_world_group(monkeypatch):
+    """A one-process ZeRO sweep runs its jobs in one process: the clone of the world group
+    DeepSpeed caches must not outlive the job whose process group it cloned (the second
+    job failed with "Group ... is not registered")."""
+    groups = pytest.importorskip("deepspeed.utils.groups")
+    monkeypatch.setattr(groups, "_WORLD_GROUP", object())
+    reset_accelerate_state()
+    assert groups._WORLD_GROUP is None
