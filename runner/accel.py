@@ -198,7 +198,7 @@ def describe(accelerator: "Accelerator") -> dict[str, Any]:
     }
 
 
-def _innermost_optimizer(optimizer: Any) -> Any:
+def innermost_optimizer(optimizer: Any) -> Any:
     """The torch optimizer under Accelerate's wrapper and, under DeepSpeed, ZeRO's."""
     inner = optimizer
     while hasattr(inner, "optimizer"):  # AcceleratedOptimizer, DeepSpeed's wrapper, its ZeRO optimizer
@@ -224,7 +224,7 @@ def spec_notes(spec: RunSpec) -> list[str]:
 
 
 def engaged_optimizer(optimizer: Any) -> str:
-    inner = _innermost_optimizer(optimizer)
+    inner = innermost_optimizer(optimizer)
     name = type(inner).__name__
     if name == "AdamW":
         return f"AdamW ({'fused' if inner.param_groups[0].get('fused') else 'foreach'})"

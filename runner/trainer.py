@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from runner.accel import backward, global_grad_norm, optimizer_step
+from runner.accel import backward, global_grad_norm, innermost_optimizer, optimizer_step
 from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.plan import RunPlan
@@ -331,9 +331,7 @@ class Trainer:
         device-side `found_inf` flag; None under DeepSpeed (its engine steps its own)."""
         if getattr(self.accelerator, "deepspeed_engine_wrapped", None) is not None:
             return None
-        inner = self.optimizer
-        while hasattr(inner, "optimizer"):
-            inner = inner.optimizer
+        inner = innermost_optimizer(self.optimizer)
         return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
 
     def _read_verdict(self) -> None:
