@@ -311,15 +311,26 @@ def optimizer_step(accelerator: "Accelerator", optimizer: Any) -> None:
 
 
 def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: float) -> Any:
-    """The global gradient norm before the optimizer step (a 0-d tensor; not read on the host).
+    """The global gradient norm before the optimizer step (a 0-d float64 tensor; not read
+    on the host).
 
     Clips to `max_grad_norm` when it is > 0. Under DDP the gradients are already
     all-reduced, so the local norm is the global one; under fp16 they are unscaled first.
     Under DeepSpeed each rank holds a partition: the ZeRO optimizer's own norm (what its
     step computes again before clipping) all-reduces the partitions' norms. DeepSpeed
     reports an inf/NaN norm as -1; it is returned as inf. Under fsdp the gradients are
-    FSDP2's reduce-scattered DTensor shards: torch's norm over them is partial per rank
-    and is completed across ranks (Accelerate's clip does the same before clipping).
+    FSDP2's reduce-scattered DTensor shards: the norm over them is partial per rank and
+    is completed across ranks (an all-reduce), then the shards are clipped with it.
+
+    The norm is runner's own (`grad_norm`), not Accelerate's / torch's clip_grad_norm_:
+    torch's float32 L2 norm kernel on a CPU sums the squares in float32 without
+    cascading, and on a large tensor loses the small ones (pytorch/pytorch#169237,
+    #151761). On the micro GPT-2 of tests/test_multiprocess.py, whose norm is mostly the
+    50257 x 32 embedding gradient, it read 1.4e-5 low at step 1 and 5.4e-4 low at step 12;
+    FSDP2's two half shards lost about half as much, so fsdp and one process disagreed by
+    up to 2.7e-4 while their gradients agreed to 1e-7. Each square is accumulated in
+    float64 instead, as DeepSpeed's ZeRO does for its own norm (get_norm_dtype): every
+    strategy now reports the norm of the gradients it holds.
     """
     import math
 
@@ -336,11 +347,41 @@ def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: floa
             scaled = combine_grad_norm_groups(zero._get_norm_groups())
         scaled = torch.as_tensor(scaled, dtype=torch.float32)
         return torch.where(scaled < 0, torch.full_like(scaled, math.inf), scaled / float(zero.loss_scale))
+    accelerator.unscale_gradients()  # fp16: the true gradients' norm (and what is clipped); a no-op otherwise
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), dtype=torch.float64)
+    total = grad_norm([p.grad for p in params])
     if max_grad_norm > 0:
-        return _full(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    accelerator.unscale_gradients()  # fp16: the true gradients' norm; a no-op otherwise
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return _full(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
+        by_mesh: dict[Any, list[Any]] = {}
+        for p in params:  # a DTensor gradient is clipped by a norm placed on its own mesh
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for mesh, group in by_mesh.items():
+            # float32, the dtype torch's own clip multiplies the gradients by (foreach kernels)
+            norm = total.to(device=group[0].grad.device, dtype=torch.float32)
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor
+
+                norm = DTensor.from_local(norm, mesh)
+            torch.nn.utils.clip_grads_with_norm_(group, max_grad_norm, norm)
+    return total
+
+
+def grad_norm(grads: list[Any]) -> Any:
+    """The L2 norm of all `grads` as one vector, each square accumulated in float64 (a
+    0-d float64 tensor). DTensor gradients (FSDP2's shards) are summed per device mesh
+    and completed across its ranks; plain ones are local (already all-reduced under DDP)."""
+    import torch
+
+    by_mesh: dict[Any, list[Any]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    device = grads[0].device
+    totals = []
+    for group in by_mesh.values():
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in group])
+        totals.append(_full(torch.linalg.vector_norm(norms)).to(device))
+    return torch.linalg.vector_norm(torch.stack(totals))
 
 
 def _full(value: Any) -> Any:

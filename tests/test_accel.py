@@ -10,6 +10,7 @@ from runner.accel import (
     check_engaged,
     check_in_sync,
     expected_optimizer,
+    global_grad_norm,
     reset_accelerate_state,
     skip_output_upcast,
 )
@@ -253,3 +254,25 @@ def test_reset_forgets_deepspeeds_cached_world_group(monkeypatch):
     monkeypatch.setattr(groups, "_WORLD_GROUP", object())
     reset_accelerate_state()
     assert groups._WORLD_GROUP is None
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_grad_norm_is_exact_on_a_large_cpu_gradient(max_grad_norm):
+    """torch's float32 L2 norm on a CPU drops small squares on a large tensor (GPT-2's
+    embedding gradient read 3.6e-5 low, which made fsdp's norm over two half shards
+    disagree with one process's). The logged norm, and the one clipping divides by, is
+    the norm of the gradient held: float64 accumulation, to 1e-12."""
+    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.ddp), PrecisionSpec(kind=PrecisionKind.fp32),
+                                    grad_accum_steps=1, max_grad_norm=max_grad_norm)
+    model = torch.nn.Linear(1000, 4000)  # 4M weights, as big as a small model's embedding
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) / 1000
+    grads = [p.grad.clone() for p in model.parameters()]
+    exact = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))
+    assert abs(float(torch.nn.utils.get_total_norm(grads)) / float(exact) - 1) > 1e-5  # the library's error, here
+    norm = global_grad_norm(accelerator, model, max_grad_norm)
+    assert float(norm) == pytest.approx(float(exact), rel=1e-12)
+    scale = min(1.0, max_grad_norm / (float(exact) + 1e-6)) if max_grad_norm else 1.0
+    for p, g in zip(model.parameters(), grads):
+        assert torch.allclose(p.grad, g * scale, rtol=1e-6, atol=0)
