@@ -256,6 +256,21 @@ def test_reset_forgets_deepspeeds_cached_world_group(monkeypatch):
     assert groups._WORLD_GROUP is None
 
 
+def test_grad_norm_never_copies_a_whole_gradient_to_float64():
+    """The exact norm must not cost a float64 copy of the largest gradient at the step's
+    memory peak (295 MB for GPT-2's embedding): at most one chunk is cast at a time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner.accel import NORM_CHUNK_ELEMENTS, grad_norm
+
+    g = torch.randn(3 * NORM_CHUNK_ELEMENTS + 5, generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        norm = grad_norm([g])
+    largest = max(e.cpu_memory_usage for e in prof.events())  # bytes one op allocated and kept
+    assert largest <= 8 * NORM_CHUNK_ELEMENTS  # one float64 chunk; the whole would be 3x that
+    assert float(norm) == pytest.approx(float(g.double().norm()), rel=1e-13)
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
 def test_grad_norm_is_exact_on_a_large_cpu_gradient(max_grad_norm):
     """torch's float32 L2 norm on a CPU drops small squares on a large tensor (GPT-2's
