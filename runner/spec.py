@@ -206,7 +206,9 @@ class LaunchSpec:
     retain_freed_memory: bool = True
     """Keep freed host (CPU) memory in each worker for reuse instead of returning it to the
     OS every step (glibc mallopt; see runner/host_memory.py): much faster CPU steps, but a
-    worker's resident memory stays near its peak. false: glibc's defaults."""
+    worker's resident memory stays near its peak. false: every freed block above 128 KiB goes
+    back to the OS at once (glibc's thresholds fixed, not adaptive), so resident memory follows
+    what the worker holds; use it to compare strategies' memory on a CPU."""
 
 
 @dataclass

@@ -154,10 +154,12 @@ def train(spec: RunSpec) -> dict[str, Any]:
 
     run_dir = Path(spec.run_dir)
     t = spec.train
-    if spec.launch.retain_freed_memory:
-        from runner.host_memory import retain_freed_memory
+    from runner.host_memory import retain_freed_memory, return_freed_memory
 
-        retain_freed_memory()  # before the model and the first batch are allocated
+    if spec.launch.retain_freed_memory:  # before the model and the first batch are allocated
+        retain_freed_memory()
+    else:
+        return_freed_memory()
     # The model is built, seeded, before the Accelerator: under ZeRO-3 a model built
     # afterwards is initialised inside the engine and its weights differ from DDP's.
     set_seed(t.seed)
