@@ -134,9 +134,21 @@ def start(
         )
         raise SystemExit(code) from None
     except ChildFailedError as err:
-        # The failing rank's traceback was printed above by torch elastic's @record.
         rank, failure = err.get_first_failure()
+        # @record hands the failing rank's traceback to this process (the spawned rank
+        # does not print it): shown once, above the one-line reason.
+        callstack = failure_traceback(failure)
+        if callstack:
+            sys.stderr.write(f"[rank {rank}] {callstack.rstrip()}\n")
         raise RunFailed(f"worker rank {rank} failed: {failure_reason(failure, spec.launch.timeout_minutes)}") from None
+
+
+def failure_traceback(failure: Any) -> str:
+    """The traceback torch elastic's @record saved for a failed worker ('' when there is
+    none: a UserError's one line, a signal, an abort)."""
+    if failure.exitcode == USAGE_EXIT_CODE or not isinstance(failure.message, dict):
+        return ""
+    return str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
 
 
 def failure_reason(failure: Any, timeout_minutes: float) -> str:

@@ -229,6 +229,9 @@ def test_a_rank_that_raises_stops_the_run(tmp_path):
     assert done.returncode != 0
     assert "injected failure on rank 1" in done.stderr
     assert "worker rank 1 failed" in done.stderr
+    # "its error is shown above": the rank's traceback is, once, above the one line
+    above = done.stderr.split("runner: worker rank 1 failed")[0]
+    assert above.count("Traceback (most recent call last)") == 1 and "in fit" in above, done.stderr[-3000:]
     assert not (tmp_path / "fail" / "all_results.json").exists()
 
 
