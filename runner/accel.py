@@ -47,10 +47,10 @@ def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
     size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
     elements stay unpartitioned); runner uses it, and bounds the prefetch by the same
     measure: at most one prefetch bucket's worth of parameters live. The reuse distance
-    stays at DeepSpeed's 1e9: a small one (one prefetch bucket was tried) makes
-    DeepSpeed 0.19 fail with "Cannot partition a param in flight" when an evaluation's
-    short last batch changes the module trace (seen at 2 ranks with 13 eval blocks of
-    batch 4). Measured in bench/README.md (strategy_memory.py)."""
+    is one prefetch bucket too: DeepSpeed's 1e9 keeps every parameter gathered in
+    forward until backward, the whole model on each rank at the end of forward (on
+    GPT-2 small x 2: peak 2.55 GB, 0.79 of ddp; with one bucket 2.22 GB, 0.69).
+    Measured in bench/README.md (strategy_memory.py)."""
     hidden2 = hidden_size * hidden_size
     sizes = {"reduce_bucket_size": hidden2}
     if stage == 3:
@@ -59,7 +59,7 @@ def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
             "stage3_prefetch_bucket_size": prefetch,
             "stage3_param_persistence_threshold": 10 * hidden_size,
             "stage3_max_live_parameters": prefetch,
-            "stage3_max_reuse_distance": 10**9,
+            "stage3_max_reuse_distance": prefetch,
         })
     return sizes
 
@@ -450,6 +450,20 @@ def skip_output_upcast(accelerator: "Accelerator", model: Any) -> bool:
     # Accelerate wrapped either the unbound function (rebind it) or a bound callable.
     base.forward = MethodType(inner, base) if hasattr(forward, "__func__") else inner
     return True
+
+
+def release_gathered_parameters(model: Any) -> None:
+    """Under ZeRO-3, wait for every parameter DeepSpeed is still gathering and partition
+    every gathered one again; a no-op for any other model.
+
+    An evaluation is forward passes with no backward. With a reuse distance smaller
+    than the model (zero_sizes), DeepSpeed prefetches along the trace it recorded in
+    training, and an evaluation whose last batch is short ends with parameters still in
+    flight: the next gather of the full model (the final save) then fails with "Cannot
+    partition a param in flight" (2 ranks, 13 eval blocks of batch 4)."""
+    empty = getattr(model, "empty_partition_cache", None)  # DeepSpeedEngine; acts under ZeRO-3 only
+    if callable(empty):
+        empty()
 
 
 def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: StrategySpec) -> list[float]:

@@ -127,6 +127,8 @@ COMPARED_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 SHARDS_GRADS_AND_OPTIMIZER = frozenset({"zero2", "zero3", "fsdp"})
 SHARDS_PARAMS = frozenset({"zero3", "fsdp"})
 ZERO = frozenset({"zero2", "zero3"})  # DeepSpeed: 16-bit working weights under bf16/fp16
+# A GPT-2 block's weights in units of hidden²: attention 4h² (qkv 3h², projection h²), MLP 8h².
+GPT2_LAYER_WEIGHTS = 12
 
 
 @dataclass(frozen=True)
@@ -151,21 +153,23 @@ def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int)
     the step, at most two layers are gathered at once (the one computing and the one
     prefetched), both at the compute precision, and one layer's gradients wait in fp32
     for their reduce-scatter. A layer is taken as GPT-2's 12 h² weights."""
-    layer = 12.0 * hidden_size * hidden_size
+    layer = GPT2_LAYER_WEIGHTS * hidden_size * hidden_size
     root = max(n - layers * layer, 0.0)
     return (root + 2 * layer) * compute_bytes + layer * 4.0
 
 
-def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int]) -> float:
+def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int],
+             layers: Optional[int] = None) -> float:
     """Working memory beyond the states, in bytes.
 
     ddp: torch's DDP reduces gradients through buckets that are a second copy of every
     gradient (Accelerate leaves gradient_as_bucket_view off). ZeRO: the reduce bucket
-    (runner/accel.zero_sizes), and under ZeRO-3 the gathered parameters: every one
-    gathered in forward is kept for its reuse in backward (the reuse distance stays at
-    DeepSpeed's 1e9, see zero_sizes), so at the end of forward the whole model is
-    gathered on each rank, at the working precision. Unknown width (hidden_size None):
-    ZeRO's buffers are left out."""
+    (runner/accel.zero_sizes), and under ZeRO-3 the gathered parameters: a parameter is
+    kept gathered while it is reused within one prefetch bucket (the reuse distance),
+    so about a bucket is live, plus a parameter larger than a bucket gathered alone:
+    GPT-2's embedding, taken as everything outside the layers when `layers` is known
+    (the whole model otherwise), at the working precision. Unknown width (hidden_size
+    None): ZeRO's buffers are left out."""
     if strategy == "ddp":
         return n * grad_bytes
     if strategy not in ZERO or not hidden_size:
@@ -176,7 +180,8 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     sizes = zero_sizes(stage, hidden_size)
     total = sizes["reduce_bucket_size"] * grad_bytes
     if stage == 3:
-        total += n * weight_bytes
+        largest = max(n - layers * GPT2_LAYER_WEIGHTS * hidden_size**2, 0.0) if layers else n
+        total += (largest + sizes["stage3_prefetch_bucket_size"]) * weight_bytes
     return float(total)
 
 
@@ -219,7 +224,7 @@ def estimate_memory(
         compute_bytes = 2.0 if precision in ("bf16", "fp16") else 4.0
         buffers = _fsdp_buffers(n, compute_bytes, hidden_size, layers) if hidden_size and layers else 0.0
     else:
-        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size)
+        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from runner.accel import backward, global_grad_norm, innermost_optimizer, optimizer_step
+from runner.accel import backward, global_grad_norm, innermost_optimizer, optimizer_step, release_gathered_parameters
 from runner.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.plan import RunPlan
@@ -425,6 +425,7 @@ class Trainer:
             per_sample_acc = (logits.argmax(-1) == labels).float().mean(dim=1)
             losses.append(acc.gather_for_metrics(per_sample_loss))
             correct.append(acc.gather_for_metrics(per_sample_acc))
+        release_gathered_parameters(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
         if not losses:
             return {}

@@ -203,7 +203,7 @@ def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
     assert zero.prefetch_bucket_size == int(0.9 * h * h) == 530_841
     assert zero.param_persistence_threshold == 10 * h
     assert zero.max_live_parameters == 530_841  # DeepSpeed's default: 1e9, the whole model
-    assert zero.max_reuse_distance == 10**9  # smaller fails after an uneven eval batch (zero_sizes)
+    assert zero.max_reuse_distance == 530_841  # DeepSpeed's default: 1e9, the whole model gathered after forward
 
 
 def test_zero2_gets_the_model_sized_reduce_bucket_and_no_zero3_keys(monkeypatch):

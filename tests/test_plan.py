@@ -37,12 +37,17 @@ def test_zero3_partitions_everything():
 
 def test_zero_buffers_follow_the_model_sized_buckets():
     h = 768  # GPT-2 small
-    z3 = estimate_memory(P, "zero3", "fp32", 2, hidden_size=h)
-    # the reduce bucket (h² gradients) + the whole model gathered by the end of forward
-    assert z3.buffers == 4 * h * h + 4 * P
+    layers, bucket = 12, int(0.9 * h * h)
+    z3 = estimate_memory(P, "zero3", "fp32", 2, hidden_size=h, layers=layers)
+    # the reduce bucket (h² gradients) + a prefetch bucket of gathered parameters + the
+    # largest parameter (everything outside the 12 h² layers: the embeddings)
+    embeddings = P - layers * 12 * h * h
+    assert z3.buffers == 4 * h * h + 4 * (embeddings + bucket)
+    # without the depth, the whole model is taken as one gathered parameter
+    assert estimate_memory(P, "zero3", "fp32", 2, hidden_size=h).buffers == 4 * h * h + 4 * (P + bucket)
     assert estimate_memory(P, "zero2", "bf16", 2, hidden_size=h).buffers == 2 * h * h
     ddp = estimate_memory(P, "ddp", "fp32", 2, hidden_size=h)
-    assert z3.device_total / ddp.device_total == pytest.approx((12 * P + 4 * h * h) / (20 * P))
+    assert z3.device_total / ddp.device_total == pytest.approx((8 * P + 4 * (h * h + embeddings + bucket)) / (20 * P))
 
 
 def test_fsdp_shards_fp32_states_and_gathers_the_root_and_two_layers():
