@@ -8,25 +8,32 @@ ZeRO-3 gather of the full model would dominate):
 - `held`: what it holds at that step (CUDA reserved; resident set),
 - `before model`: the host memory the process held before it built the model
   (interpreter and libraries, which no strategy can shard; all_results.json's
-  host_memory_before_model_mb_per_rank), and `peak - before`, what training added.
+  host_memory_before_model_mb_per_rank), and `peak - before`, what training added,
+- `tensor peak` (with --tensor-peak): the most live torch tensors held during step 2
+  (torch profiler; on a CPU the analogue of CUDA's max_memory_allocated: no interpreter,
+  libraries or allocator slack), from a second run of each strategy.
 
 Beside them, the `dry_run=true` plan's estimate for the same run (runner/plan.py:
 model states plus the strategy's buffers, activations excluded).
 
     python bench/strategy_memory.py                       # ~5 minutes on 2 CPU cores
     python bench/strategy_memory.py --strategies ddp,zero3
+    python bench/strategy_memory.py --tensor-peak          # twice the runs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from runner.plan import COMPARED_STRATEGIES
+
+TENSOR_PEAK_HOOK = Path(__file__).parent / "tensor_peak"  # its sitecustomize.py profiles one step per rank
 
 RUN = [
     "recipe=gpt2_clm_tiny",
@@ -57,14 +64,27 @@ def estimate_mb(run_dir: Path) -> float:
     return est.device_total / 2**20
 
 
-def measure(strategy: str, root: Path) -> dict[str, list[float]]:
-    run_dir = root / strategy
+def _train(strategy: str, run_dir: Path, env: dict[str, str] | None = None) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "runner", *RUN, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env={**os.environ, **(env or {})},
     )
     if done.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{done.stderr[-3000:]}")
+
+
+def tensor_peak_mb(strategy: str, root: Path) -> list[float]:
+    """Each rank's peak of live tensors in its second step, from a second, profiled run
+    (bench/tensor_peak: the profiler's own memory would distort the first run's RSS)."""
+    run_dir, out = root / f"{strategy}-profiled", root / f"{strategy}-tensor-peak"
+    path = os.pathsep.join(filter(None, [str(TENSOR_PEAK_HOOK), os.environ.get("PYTHONPATH", "")]))
+    _train(strategy, run_dir, {"PYTHONPATH": path, "RUNNER_BENCH_TENSOR_PEAK": str(out)})
+    return [json.loads((out / f"rank{r}.json").read_text())["peak_mb"] for r in (0, 1)]
+
+
+def measure(strategy: str, root: Path, tensor_peak: bool = False) -> dict[str, list[float]]:
+    run_dir = root / strategy
+    _train(strategy, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "loss" in r][-1]
     before = json.loads((run_dir / "all_results.json").read_text())["host_memory_before_model_mb_per_rank"]
@@ -74,6 +94,7 @@ def measure(strategy: str, root: Path) -> dict[str, list[float]]:
         "before model": before,
         "peak - before": [p - b for p, b in zip(last["peak_memory_mb"], before)],
         "plan estimate": [estimate_mb(run_dir)] * 2,
+        **({"tensor peak": tensor_peak_mb(strategy, root)} if tensor_peak else {}),
     }
 
 
@@ -81,11 +102,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(COMPARED_STRATEGIES),
                         help="comma-separated; the first is the baseline of the ratios (default: %(default)s)")
-    strategies = parser.parse_args().strategies.split(",")
+    parser.add_argument("--tensor-peak", action="store_true",
+                        help="also each rank's peak of live tensors in step 2 (torch profiler; a second run per strategy)")
+    args = parser.parse_args()
+    strategies = args.strategies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        results = {s: measure(s, Path(tmp)) for s in strategies}
+        results = {s: measure(s, Path(tmp), args.tensor_peak) for s in strategies}
     base = strategies[0]
-    figures = ("peak", "held", "before model", "peak - before", "plan estimate")
+    figures = ("peak", "held", "before model", "peak - before", "plan estimate") + (("tensor peak",) if args.tensor_peak else ())
     header = f"| strategy | {' | '.join(f'{f} r0 / r1 MB | / {base}' for f in figures)} |"
     print(header)
     print("|---|" + "---|---|" * len(figures))
@@ -96,7 +120,7 @@ def main() -> None:
             cells.append(f"{values[0]:,.0f} / {values[1]:,.0f} | {max(values) / ref:.2f}")
         print(f"| {name} | {' | '.join(cells)} |")
     for name in strategies[1:]:
-        ratios = ", ".join(f"{f} {max(results[name][f]) / max(results[base][f]):.2f}" for f in ("peak", "peak - before", "plan estimate"))
+        ratios = ", ".join(f"{f} {max(results[name][f]) / max(results[base][f]):.2f}" for f in figures if f not in ("held", "before model"))
         print(f"{name} / {base} per rank: {ratios}")
 
 

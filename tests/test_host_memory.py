@@ -27,10 +27,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(mode: str) -> int:
+def _run(script: str, mode: str) -> str:
+    """The script's output in a fresh process with glibc's and torch's defaults."""
     env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-    done = subprocess.run([sys.executable, "-c", ROUNDS, mode], env=env, capture_output=True, text=True, check=True)
-    return int(done.stdout.strip())
+    done = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _faults(mode: str) -> int:
+    return int(_run(ROUNDS, mode))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt thresholds are glibc's (Linux)")
@@ -75,9 +80,7 @@ print(before - anon_mb())
 
 
 def _returned_mb(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-    done = subprocess.run([sys.executable, "-c", FRAGMENTS, mode], env=env, capture_output=True, text=True, check=True)
-    return float(done.stdout.strip())
+    return float(_run(FRAGMENTS, mode))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt thresholds are glibc's (Linux)")

@@ -1,0 +1,59 @@
+"""Peak of live torch tensors in one training step of every rank (bench/strategy_memory.py --tensor-peak).
+
+Imported by each worker when this folder is on PYTHONPATH and RUNNER_BENCH_TENSOR_PEAK
+names an output folder. torch.profiler's memory recording runs from the start of
+`runner.worker.train` (before the model exists) to the end of the second optimizer
+step (the first allocates AdamW's state); every CPU allocation event carries the
+allocator's running total of bytes it handed out while recording, so the largest
+total seen during step 2 is the peak of live tensors then. On a CPU that is what
+CUDA's max_memory_allocated is on a GPU: tensors only, without the interpreter,
+libraries, Python objects and allocator slack that the resident set (peak RSS) also
+counts. Writes `<folder>/rank<R>.json`. A bench instrument, not part of runner.
+"""
+
+import os
+
+if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
+    import json
+    from pathlib import Path
+
+    import runner.trainer as _trainer
+    import runner.worker as _worker
+
+    _PROFILED_STEP = 2
+    _state: dict = {}
+    _plain_train, _plain_step = _worker.train, _trainer.Trainer.train_step
+
+    def _train(spec):  # type: ignore[no-untyped-def]
+        from torch.profiler import ProfilerActivity, profile
+
+        _state["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        _state["prof"].__enter__()
+        return _plain_train(spec)
+
+    def _step(self, batch):  # type: ignore[no-untyped-def]
+        import time
+
+        if self.state.step + 1 != _PROFILED_STEP or "prof" not in _state:
+            return _plain_step(self, batch)
+        start_us = time.time_ns() // 1000
+        done = _plain_step(self, batch)
+        end_us = time.time_ns() // 1000
+        prof = _state.pop("prof")
+        prof.__exit__(None, None, None)
+        from torch._C._profiler import _EventType
+
+        peak, pending = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+        while pending:
+            event = pending.pop()
+            pending.extend(event.children)
+            if event.typed[0] == _EventType.Allocation and str(event.typed[1].device) == "cpu":
+                when_us = event.start_time_ns // 1000
+                if start_us <= when_us <= end_us:
+                    peak = max(peak, event.typed[1].total_allocated)
+        out = Path(os.environ["RUNNER_BENCH_TENSOR_PEAK"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{self.accelerator.process_index}.json").write_text(json.dumps({"peak_mb": peak / 2**20}))
+        return done
+
+    _worker.train, _trainer.Trainer.train_step = _train, _step
