@@ -45,8 +45,9 @@ RUN = [
     "train.log_every=1",
     "train.eval_every=0",
     "launch.nproc_per_node=2",
-    # glibc's default: freed memory goes back to the OS, so "held" is what each strategy
-    # needs at that step, not the high-water mark a retaining heap would show.
+    # Freed blocks go back to the OS at once (glibc's thresholds fixed, runner/host_memory.py),
+    # so "held" is what each strategy needs at that step, not the high-water mark a
+    # retaining heap, or glibc's adaptive threshold, would show.
     "launch.retain_freed_memory=false",
 ]
 
