@@ -147,6 +147,12 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.buffers
 
 
+def _outside_layers(n: float, hidden_size: int, layers: int) -> float:
+    """Parameters outside the transformer layers (GPT-2: the embeddings and final norm),
+    each layer taken as GPT2_LAYER_WEIGHTS h² weights."""
+    return max(n - layers * GPT2_LAYER_WEIGHTS * hidden_size * hidden_size, 0.0)
+
+
 def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int) -> float:
     """FSDP2 (runner/fsdp.py wraps each transformer layer and the root): the root's
     parameters (embeddings, final norm: all outside the layers) stay gathered through
@@ -154,8 +160,7 @@ def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int)
     prefetched), both at the compute precision, and one layer's gradients wait in fp32
     for their reduce-scatter. A layer is taken as GPT-2's 12 h² weights."""
     layer = GPT2_LAYER_WEIGHTS * hidden_size * hidden_size
-    root = max(n - layers * layer, 0.0)
-    return (root + 2 * layer) * compute_bytes + layer * 4.0
+    return (_outside_layers(n, hidden_size, layers) + 2 * layer) * compute_bytes + layer * 4.0
 
 
 def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int],
@@ -180,7 +185,7 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     sizes = zero_sizes(stage, hidden_size)
     total = sizes["reduce_bucket_size"] * grad_bytes
     if stage == 3:
-        largest = max(n - layers * GPT2_LAYER_WEIGHTS * hidden_size**2, 0.0) if layers else n
+        largest = _outside_layers(n, hidden_size, layers) if layers else n
         total += (largest + sizes["stage3_prefetch_bucket_size"]) * weight_bytes
     return float(total)
 
