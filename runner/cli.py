@@ -213,10 +213,11 @@ def _hydra_task(cfg: Any) -> None:
         # In a sweep a failed job is recorded, and the next job runs.
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
         sys.stderr.write(f"runner: job {hydra_cfg.job.num} failed: {reason}\n")
-        if isinstance(err, UserError) and action is not None and action.value == "resumed":  # Action.resumed
+        from runner.sweep_resume import Action, write_record
+
+        if isinstance(err, UserError) and action is Action.resumed:
             # Refused before it wrote anything: its folder (and checkpoints) stay as they
             # were, to be continued once the spec is put back.
-            from runner.sweep_resume import write_record
 
             write_record(Path(hydra_cfg.sweep.dir), job_dir, int(hydra_cfg.job.num), action, "refused", reason)
             return
