@@ -52,9 +52,16 @@ def test_peak_flops_on_a_monkeypatched_gpu_never_probes(monkeypatch):
 
     monkeypatch.setattr(flops, "_probe", no_probe)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    device = torch.device("cuda", 0)
-    assert peak_flops(device, "bf16") == pytest.approx(989.4e12)
-    assert peak_flops(device, "fp32") == pytest.approx(66.9e12)  # torch's default: TF32 off
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
-    assert peak_flops(device, "bf16") is None
+    # Set and put back by hand: pytest >= 9.2's monkeypatch undoes an attribute that is
+    # not in the object's __dict__ by deleting it, which torch's cuBLAS settings refuse.
+    matmul = torch.backends.cuda.matmul
+    tf32 = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        device = torch.device("cuda", 0)
+        assert peak_flops(device, "bf16") == pytest.approx(989.4e12)
+        assert peak_flops(device, "fp32") == pytest.approx(66.9e12)  # torch's default: TF32 off
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+        assert peak_flops(device, "bf16") is None
+    finally:
+        matmul.allow_tf32 = tf32
