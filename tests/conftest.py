@@ -91,3 +91,26 @@ def compose_spec() -> Callable[..., RunSpec]:
 @pytest.fixture
 def micro_overrides(tmp_path: Path) -> list[str]:
     return [*MICRO, f"hydra.run.dir={tmp_path / 'run'}"]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-process gloo group, as a spawned rank has: enough for FSDP2 and DeepSpeed to
+    wrap a model in-process (one shard), in seconds."""
+    import torch.distributed as dist
+
+    from runner.accel import reset_accelerate_state
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}.items():
+        monkeypatch.setenv(key, value)
+    # Accelerate sets these for the whole process when given an FSDP plugin; later tests'
+    # Accelerators would read them and build FSDP too.
+    for key in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        monkeypatch.setenv(key, "unset")  # recorded, so teardown removes what Accelerate sets
+        monkeypatch.delenv(key)
+    reset_accelerate_state()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    reset_accelerate_state()
+    dist.destroy_process_group()

@@ -291,3 +291,49 @@ def test_grad_norm_is_exact_on_a_large_cpu_gradient(max_grad_norm):
     scale = min(1.0, max_grad_norm / (float(exact) + 1e-6)) if max_grad_norm else 1.0
     for p, g in zip(model.parameters(), grads):
         assert torch.allclose(p.grad, g * scale, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- ZeRO-3's gradient partition between steps
+def _micro_gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=100,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_exactly(one_rank_group):
+    """DeepSpeed keeps ZeRO-3's fp32 gradient partition for the whole run; runner frees it
+    after each optimizer step and DeepSpeed's first reduced gradient reallocates it. Two
+    windows of two micro-batches give the gradient norm plain torch computes for the
+    second window, so nothing stale or half-zeroed survives the release."""
+    from runner.accel import backward, optimizer_step
+
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    reference = _micro_gpt2()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_norms = []
+    for window in (batches[:2], batches[2:]):
+        for ids in window:
+            (reference(input_ids=ids, labels=ids).loss / 2).backward()
+        ref_norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in reference.parameters())).item())
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), grad_accum_steps=2,
+                                    max_grad_norm=0.0, per_device_batch_size=2, hidden_size=32)
+    model = _micro_gpt2()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    flat = model.optimizer.grad_partitions_flat_buffer
+    norms, held = [], []
+    for ids in batches:
+        with accelerator.accumulate(model):
+            backward(accelerator, model(input_ids=ids, labels=ids).loss)
+            held.append(flat.untyped_storage().nbytes())
+            if accelerator.sync_gradients:
+                norms.append(float(global_grad_norm(accelerator, model, 0.0)))
+                optimizer_step(accelerator, optimizer)
+                held.append(flat.untyped_storage().nbytes())
+    size = flat.numel() * flat.element_size()
+    # allocated through each window, freed after each step
+    assert held == [size, size, 0, size, size, 0]
+    assert norms == pytest.approx(ref_norms, rel=1e-5)

@@ -2,37 +2,17 @@
 
 A one-rank gloo group is enough for fully_shard to wrap the model (the mesh has one
 shard), so what Accelerate builds and what runner checks run here in seconds; the
-2-process math is tests/test_multiprocess.py's.
+2-process math is tests/test_multiprocess.py's. (`one_rank_group`: tests/conftest.py.)
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import EngagementError, build_accelerator, check_engaged, global_grad_norm, reset_accelerate_state
+from runner.accel import EngagementError, build_accelerator, check_engaged, global_grad_norm
 from runner.spec import ModelSpec, OffloadDevice, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
-
-
-@pytest.fixture
-def one_rank_group(tmp_path, monkeypatch):
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}.items():
-        monkeypatch.setenv(key, value)
-    # Accelerate sets these for the whole process when given an FSDP plugin; later tests'
-    # Accelerators would read them and build FSDP too.
-    for key in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
-        monkeypatch.setenv(key, "unset")  # recorded, so teardown removes what Accelerate sets
-        monkeypatch.delenv(key)
-    reset_accelerate_state()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    reset_accelerate_state()
-    dist.destroy_process_group()
 
 
 def fsdp_run(precision=PrecisionKind.fp32, reshard=True) -> RunSpec:
