@@ -19,6 +19,7 @@ model states plus the strategy's buffers, activations excluded).
     python bench/strategy_memory.py                       # ~5 minutes on 2 CPU cores
     python bench/strategy_memory.py --strategies ddp,zero3
     python bench/strategy_memory.py --tensor-peak          # twice the runs
+    python bench/strategy_memory.py --precision bf16       # a GPU's setting: slow on a CPU without bf16 instructions
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from runner.plan import COMPARED_STRATEGIES
 
+EXTRA: list[str] = []  # set from the command line
 TENSOR_PEAK_HOOK = Path(__file__).parent / "tensor_peak"  # its sitecustomize.py profiles one step per rank
 
 RUN = [
@@ -67,7 +69,7 @@ def estimate_mb(run_dir: Path) -> float:
 
 def _train(strategy: str, run_dir: Path, env: dict[str, str] | None = None) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runner", *RUN, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "runner", *RUN, *EXTRA, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env={**os.environ, **(env or {})},
     )
     if done.returncode != 0:
@@ -105,7 +107,9 @@ def main() -> None:
                         help="comma-separated; the first is the baseline of the ratios (default: %(default)s)")
     parser.add_argument("--tensor-peak", action="store_true",
                         help="also each rank's peak of live tensors in step 2 (torch profiler; a second run per strategy)")
+    parser.add_argument("--precision", default="fp32", help="precision=... for every run (default: %(default)s)")
     args = parser.parse_args()
+    EXTRA.append(f"precision={args.precision}")
     strategies = args.strategies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         results = {s: measure(s, Path(tmp), args.tensor_peak) for s in strategies}
