@@ -65,3 +65,20 @@ def test_peak_flops_on_a_monkeypatched_gpu_never_probes(monkeypatch):
         assert peak_flops(device, "bf16") is None
     finally:
         matmul.allow_tf32 = tf32
+
+
+def test_a_cpu_peak_is_the_highest_probe_seen_so_a_busy_moment_never_lowers_it(monkeypatch, tmp_path):
+    """A probe that shared the cores with other work reads low; cached as the peak it would
+    inflate every later MFU. Each run probes again and the cache keeps the highest."""
+    readings = iter([20e9, 5e9, 80e9, 40e9])
+    monkeypatch.setattr(flops, "_probe", lambda *args, **kwargs: next(readings))
+    monkeypatch.setattr(flops, "default_cache_dir", lambda: tmp_path)
+    assert [peak_flops(torch.device("cpu"), "fp32") for _ in range(4)] == [20e9, 20e9, 80e9, 80e9]
+
+
+def test_the_cpu_probe_leaves_the_global_random_streams_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert flops._probe("fp32", seconds=0.01) > 0
+    assert torch.equal(torch.rand(3), expected)
