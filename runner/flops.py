@@ -74,7 +74,7 @@ def model_flops_per_token(config: Any, n_params: int, block_size: int) -> float:
     return flops_per_token(n_params, int(layers), int(width), block_size)
 
 
-def _probe(dtype_name: str, device: str = "cpu", seconds: float = 0.25, size: int = 512) -> float:
+def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:
     """Matmul FLOP/s for this dtype on a CPU: the fastest of the matmuls that fit in
     `seconds` (at least three, the first a warm-up), so a moment of other work on the
     cores costs one matmul, not the figure. 512 x 512 keeps one matmul short where a
@@ -82,9 +82,9 @@ def _probe(dtype_name: str, device: str = "cpu", seconds: float = 0.25, size: in
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    local = torch.Generator(device).manual_seed(0)  # the global RNG streams are not touched
-    a = torch.randn(size, size, device=device, generator=local).to(dtype)
-    b = torch.randn(size, size, device=device, generator=local).to(dtype)
+    local = torch.Generator().manual_seed(0)  # the global RNG streams are not touched
+    a = torch.randn(size, size, generator=local).to(dtype)
+    b = torch.randn(size, size, generator=local).to(dtype)
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < 3 or time.perf_counter() - started < seconds:
@@ -115,7 +115,7 @@ def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
     except (OSError, ValueError):
         known = {}  # another rank is writing it, or it is damaged: measure again
     key = f"{kind}|{label}|{dtype_name}"
-    measured = _probe(dtype_name, "cpu")
+    measured = _probe(dtype_name)
     if measured > known.get(key, 0.0):
         known[key] = measured
         cache.parent.mkdir(parents=True, exist_ok=True)
