@@ -102,7 +102,8 @@ class Trainer:
         self.metrics = MetricsWriter(
             run_dir / "metrics.jsonl",
             accelerator.is_main_process,
-            tracker_log=(lambda values, step: accelerator.log(values, step=step)) if accelerator.trackers else None,
+            # Trackers start after a resume is known (worker.tracker_kwargs); none: log() does nothing.
+            tracker_log=lambda values, step: accelerator.log(values, step=step),
         )
         self.grad_norm: Optional[torch.Tensor] = None
         # The non-finite verdict of the last step, still on the device (see _check_finite).

@@ -69,6 +69,17 @@ def tracker_hparams(spec: RunSpec) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat_spec_dict(spec).items()}
 
 
+def tracker_kwargs(start_step: int) -> dict[str, dict[str, Any]]:
+    """Per-tracker settings for a run that starts at `start_step` (0, or a checkpoint's step).
+
+    TensorBoard keeps every event ever written to the run's folder: the steps an attempt
+    logged after its last checkpoint would show twice, the dead attempt's and the resumed
+    one's. `purge_step` makes TensorBoard drop earlier events from the first step this
+    run logs on, as metrics.jsonl is cut back (truncate_metrics).
+    """
+    return {"tensorboard": {"purge_step": start_step + 1}}
+
+
 def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     """resume=auto|PATH, or after a crash restart (launch.max_restarts) the newest checkpoint."""
     from runner.checkpoint import latest_checkpoint
@@ -177,8 +188,6 @@ def train(spec: RunSpec) -> dict[str, Any]:
         per_device_batch_size=t.per_device_batch_size, model_type=config.model_type,
         hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
     )
-    if spec.tracking.value != "none":
-        accelerator.init_trackers(spec.name, config=tracker_hparams(spec))
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(config), tokenizer.model_max_length)
     # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
@@ -249,6 +258,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
         # after a restart (launch.max_restarts) of an attempt that died before its first
         # checkpoint. metrics.jsonl then holds each step once.
         truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
+    if spec.tracking.value != "none":
+        accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
     try:
         train_results, eval_results = trainer.fit()
     except Stopped as stop:
