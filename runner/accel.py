@@ -328,44 +328,88 @@ def _gradient_partition(engine: Any) -> Any:
     return flat
 
 
+# DeepSpeed's per-parameter views of the flat partition (a name-mangled private dict of
+# DeepSpeedZeroOptimizer_Stage3; partition_grads writes each reduced gradient through it).
+_GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
 def release_gradient_partition(engine: Any) -> None:
-    """Free ZeRO-3's gradient partition once the optimizer has stepped, until the next
-    backward writes into it.
+    """Free ZeRO-3's gradient partition once the optimizer has stepped, until the end of
+    the next backward.
 
     DeepSpeed allocates every rank's partition of the gradients (fp32, a quarter of the
     model states at 2 ranks) once and keeps it for the whole run, though it only holds
     data from the first gradient reduced in an accumulation window to the step that
-    closes it. Kept, it sits idle through the next forward and the start of backward,
-    where ZeRO-3 peaks (the gathered embedding, its full-size gradient and the logits'
-    gradients, before any gradient is reduced): on GPT-2 small x 2 in fp32, 237 MB of
-    that peak (bench/README.md). FSDP2 frees its gradients at zero_grad for the same
-    reason. The storage is emptied in place, so DeepSpeed's per-parameter views of it
-    stay valid, and it is reallocated (zeroed) by the first `partition_grads` call, the
-    method through which DeepSpeed writes every reduced gradient into it. Any other use
-    before then fails loudly (an empty storage) instead of reading stale values."""
+    closes it. ZeRO-3 peaks at the start of backward, where every layer's activations,
+    the gathered tied embedding and its full-size gradient are live: the partition
+    there, kept or reallocated by the first reduced gradient, was 237 MB of that peak on
+    GPT-2 small x 2 in fp32 (bench/README.md). FSDP2 frees its gradients at zero_grad
+    for the same reason.
+
+    The storage is emptied in place, so DeepSpeed's views of it stay valid. In the next
+    window's first backward (DeepSpeed copies, not adds, each reduced gradient then),
+    each parameter's reduced gradient goes to a tensor of its own, allocated as the
+    backward frees activations; the backward's epilogue reallocates the partition,
+    zeroed, moves them in and points DeepSpeed's views back (`restore_gradient_partition`).
+    Any other use of the empty partition fails loudly instead of reading stale values."""
     flat = _gradient_partition(engine)
     if flat is None:
         return
     zero = engine.optimizer
-    if not getattr(zero, "_runner_restores_grad_partition", False):
-        write = zero.partition_grads
-
-        def partition_grads(*args: Any, **kwargs: Any) -> Any:
-            restore_gradient_partition(engine)
-            return write(*args, **kwargs)
-
-        zero.partition_grads = partition_grads
-        zero._runner_restores_grad_partition = True
+    if not getattr(zero, "_runner_defers_grad_partition", False):
+        _defer_gradient_partition(engine)
     flat.untyped_storage().resize_(0)
+
+
+def _defer_gradient_partition(engine: Any) -> None:
+    """Route DeepSpeed's writes into a released partition to per-parameter tensors, and
+    reallocate it at the end of backward (see release_gradient_partition)."""
+    import torch
+
+    zero = engine.optimizer
+    write, close = zero.partition_grads, zero.independent_gradient_partition_epilogue
+    views = getattr(zero, _GRAD_VIEWS, None)  # None: another DeepSpeed; reallocate at the first write
+    zero._runner_staged_grads = {}  # ds_id -> DeepSpeed's view of the partition, while staged
+
+    def partition_grads(params: list, grad_partitions: list) -> Any:
+        flat = zero.grad_partitions_flat_buffer
+        if views is not None and zero.micro_step_id == 0 and flat.untyped_storage().nbytes() == 0:
+            for param in params:
+                if param.ds_id not in zero._runner_staged_grads:
+                    zero._runner_staged_grads[param.ds_id] = views[param.ds_id]
+                    # Zeroed: DeepSpeed skips a rank's all-padding partitions and writes only
+                    # the real part of a padded one; the rest must read 0 as it did before.
+                    views[param.ds_id] = torch.zeros_like(views[param.ds_id])
+        else:
+            restore_gradient_partition(engine)
+        return write(params, grad_partitions)
+
+    def epilogue() -> None:
+        close()
+        if zero._runner_staged_grads:
+            restore_gradient_partition(engine)
+            close()  # again, with nothing left to reduce: its per-group gradient lists now point into the partition
+
+    zero.partition_grads = partition_grads
+    zero.independent_gradient_partition_epilogue = epilogue
+    zero._runner_defers_grad_partition = True
 
 
 def restore_gradient_partition(engine: Any) -> None:
     """Reallocate, zeroed, ZeRO-3's gradient partition if `release_gradient_partition`
-    freed it; a no-op otherwise."""
+    freed it, moving in the gradients staged since; a no-op otherwise."""
     flat = _gradient_partition(engine)
-    if flat is not None and flat.untyped_storage().nbytes() == 0:
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        flat.zero_()
+    if flat is None or flat.untyped_storage().nbytes() != 0:
+        return
+    flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+    flat.zero_()
+    zero = engine.optimizer
+    staged = getattr(zero, "_runner_staged_grads", {})
+    views = getattr(zero, _GRAD_VIEWS, {})
+    for ds_id, view in staged.items():
+        view.copy_(views[ds_id])
+        views[ds_id] = view
+    staged.clear()
 
 
 def global_grad_norm(accelerator: "Accelerator", model: Any, max_grad_norm: float) -> Any:

@@ -303,9 +303,10 @@ def _micro_gpt2():
 
 def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_exactly(one_rank_group):
     """DeepSpeed keeps ZeRO-3's fp32 gradient partition for the whole run; runner frees it
-    after each optimizer step and DeepSpeed's first reduced gradient reallocates it. Two
-    windows of two micro-batches give the gradient norm plain torch computes for the
-    second window, so nothing stale or half-zeroed survives the release."""
+    after each optimizer step, the next backward writes its reduced gradients to tensors
+    of their own, and its epilogue reallocates the partition and moves them in. Two
+    windows of two micro-batches give the gradient norm plain torch computes for each
+    window, so nothing stale, unmoved or half-zeroed survives the release."""
     from runner.accel import backward, optimizer_step
 
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -324,11 +325,23 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     model = _micro_gpt2()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     flat = model.optimizer.grad_partitions_flat_buffer
-    norms, held = [], []
+    write = model.optimizer.partition_grads
+    writes: list[list[int]] = []  # the partition's bytes at each write of reduced gradients, per micro-batch
+
+    def recording(*args, **kwargs):
+        writes[-1].append(flat.untyped_storage().nbytes())
+        return write(*args, **kwargs)
+
+    model.optimizer.partition_grads = recording
+    norms, held, outside = [], [], []
     for ids in batches:
+        writes.append([])
         with accelerator.accumulate(model):
             backward(accelerator, model(input_ids=ids, labels=ids).loss)
             held.append(flat.untyped_storage().nbytes())
+            # what DeepSpeed's step reads: views of the partition, no staged tensor kept alive
+            outside.append(sum(g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                               for grads in model.optimizer.averaged_gradients.values() for g in grads))
             if accelerator.sync_gradients:
                 norms.append(float(global_grad_norm(accelerator, model, 0.0)))
                 optimizer_step(accelerator, optimizer)
@@ -336,4 +349,8 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     size = flat.numel() * flat.element_size()
     # allocated through each window, freed after each step
     assert held == [size, size, 0, size, size, 0]
+    assert outside == [0, 0, 0, 0]
+    # DeepSpeed's partition until the first step; after it, the window's first backward
+    # writes with the partition still free (reallocated by its epilogue), the second adds into it
+    assert [set(w) for w in writes] == [{size}, {size}, {0}, {size}] and len(writes[2]) > 1
     assert norms == pytest.approx(ref_norms, rel=1e-5)
