@@ -20,6 +20,7 @@ model states plus the strategy's buffers, activations excluded).
     python bench/strategy_memory.py --strategies ddp,zero3
     python bench/strategy_memory.py --tensor-peak          # twice the runs
     python bench/strategy_memory.py --precision bf16       # a GPU's setting: slow on a CPU without bf16 instructions
+    python bench/strategy_memory.py --batch-size 1         # less activation memory beside the same model states
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ RUN = [
     "model.config_overrides=null",  # GPT2Config() = GPT-2 small, 124M parameters
     "data.block_size=128",
     "data.max_eval_samples=2",
-    "train.per_device_batch_size=2",
     "train.max_steps=3",
     "train.log_every=1",
     "train.eval_every=0",
@@ -108,8 +108,10 @@ def main() -> None:
     parser.add_argument("--tensor-peak", action="store_true",
                         help="also each rank's peak of live tensors in step 2 (torch profiler; a second run per strategy)")
     parser.add_argument("--precision", default="fp32", help="precision=... for every run (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=2,
+                        help="train.per_device_batch_size (default: %(default)s); activations grow with it, model states do not")
     args = parser.parse_args()
-    EXTRA.append(f"precision={args.precision}")
+    EXTRA.extend([f"precision={args.precision}", f"train.per_device_batch_size={args.batch_size}"])
     strategies = args.strategies.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         results = {s: measure(s, Path(tmp), args.tensor_peak) for s in strategies}
