@@ -13,7 +13,7 @@ ZeRO-3 gather of the full model would dominate):
   (torch profiler; on a CPU the analogue of CUDA's max_memory_allocated: no interpreter,
   libraries or allocator slack), from a second run of each strategy.
 
-Beside them, the `dry_run=true` plan's estimate for the same run (runner/plan.py:
+Beside them, the `dry_run=true` plan's estimate for the same run (runner/train/plan.py:
 model states plus the strategy's buffers, activations excluded).
 
     python bench/strategy_memory.py                       # ~5 minutes on 2 CPU cores
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.plan import COMPARED_STRATEGIES
+from runner.train.plan import COMPARED_STRATEGIES
 
 EXTRA: list[str] = []  # set from the command line
 TENSOR_PEAK_HOOK = Path(__file__).parent / "tensor_peak"  # its sitecustomize.py profiles one step per rank
@@ -47,7 +47,7 @@ RUN = [
     "train.log_every=1",
     "train.eval_every=0",
     "launch.nproc_per_node=2",
-    # Freed blocks go back to the OS at once (glibc's thresholds fixed, runner/host_memory.py),
+    # Freed blocks go back to the OS at once (glibc's thresholds fixed, runner/train/host_memory.py),
     # so "held" is what each strategy needs at that step, not the high-water mark a
     # retaining heap, or glibc's adaptive threshold, would show.
     "launch.retain_freed_memory=false",
@@ -56,9 +56,9 @@ RUN = [
 
 def estimate_mb(run_dir: Path) -> float:
     """The dry-run plan's per-rank estimate for the run's frozen spec."""
-    from runner.dry_run import model_shape
-    from runner.plan import estimate_memory
-    from runner.spec import load_spec
+    from runner.launch.dry_run import model_shape
+    from runner.train.plan import estimate_memory
+    from runner.config.spec import load_spec
 
     spec = load_spec(run_dir / "run_spec.yaml")
     shape = model_shape(spec)

@@ -59,7 +59,7 @@ GOALS = {
 
 # ============================================================== workers (subprocesses)
 def _asset(name: str) -> Path:
-    from runner.paths import asset_path
+    from runner.config.paths import asset_path
 
     return asset_path(name)
 
@@ -160,9 +160,9 @@ def worker_plain(steps: int, out: Path) -> None:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer, get_scheduler
 
-    from runner.data import EpochSampler, collate, prepare
-    from runner.optim import param_groups
-    from runner.spec import DataSpec
+    from runner.components.data import EpochSampler, collate, prepare
+    from runner.components.optim import param_groups
+    from runner.config.spec import DataSpec
 
     tokenizer = AutoTokenizer.from_pretrained(str(_asset("gpt2_tokenizer")), use_fast=True)
     data = prepare(DataSpec(train_file=str(_asset("austen.txt.gz")), block_size=BLOCK), tokenizer, BLOCK)
@@ -192,7 +192,7 @@ def worker_plain(steps: int, out: Path) -> None:
 
 
 # ============================================================== the benchmark (parent)
-# What runner sets for itself (runner/cli.py, runner/host_memory.py), as environment
+# What runner sets for itself (runner/cli.py, runner/train/host_memory.py), as environment
 # variables another process can be given: huge pages for torch's large CPU tensors, and
 # glibc keeping freed memory for reuse (mallopt's thresholds, via glibc's tunables).
 TUNED_ENV = {

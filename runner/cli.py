@@ -11,16 +11,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
-from runner.errors import USAGE_EXIT_CODE, RunFailed, UserError, compose_error, exit_with
+from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError, compose_error, exit_with
 
 if TYPE_CHECKING:
-    from runner.sweep_resume import Action
+    from runner.sweep.resume import Action
 
 
 def _offline_defaults() -> None:
     # datasets/transformers otherwise probe the network on every load; a machine
     # that cannot reach the hub should not wait on it (validation says what to do).
-    from runner.model import hub_reachable
+    from runner.components.model import hub_reachable
 
     if "HF_HUB_OFFLINE" not in os.environ and not hub_reachable(timeout_s=2.0):
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -29,11 +29,11 @@ def _offline_defaults() -> None:
 
 def refuse(err: UserError) -> NoReturn:
     """Exit 2 with one clear message; as rank 0 of a joined launch, tell the others first."""
-    from runner.distributed import joined_launch
+    from runner.distributed.process_group import joined_launch
 
     joined = joined_launch()
     if joined is not None and joined.rank == 0:
-        from runner.distributed import broadcast_text, init_process_group
+        from runner.distributed.process_group import broadcast_text, init_process_group
 
         init_process_group()
         broadcast_text(None)
@@ -48,7 +48,7 @@ def report_failed_run(err: RunFailed) -> NoReturn:
 
 def _apply_slurm_nodes(spec: Any) -> None:
     """srun with one task per node: each task is this node's launcher."""
-    from runner.distributed import slurm_node_launch
+    from runner.distributed.process_group import slurm_node_launch
 
     found = slurm_node_launch()
     if found and spec.launch.nnodes == 1:
@@ -71,13 +71,13 @@ def start(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from runner.accelerate_config import apply_accelerate_config
-    from runner.launch import launch, world_size
-    from runner.resume import check_resume
-    from runner.rundir import continues_in_place, freeze, prepare_run_dir
-    from runner.signals import EXIT_CODES
-    from runner.spec import StrategyKind
-    from runner.validate import check_blocks, check_launch, validate
+    from runner.launch.accelerate_config import apply_accelerate_config
+    from runner.launch.launcher import launch, world_size
+    from runner.train.resume import check_resume
+    from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
+    from runner.train.signals import EXIT_CODES
+    from runner.config.spec import StrategyKind
+    from runner.config.validate import check_blocks, check_launch, validate
 
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
@@ -95,7 +95,7 @@ def start(
     validate(spec, world)
     data = check_blocks(spec)
     if spec.dry_run:
-        from runner.dry_run import report
+        from runner.launch.dry_run import report
 
         print(report(spec, data, world))
         if run_dir.is_dir() and not any(run_dir.iterdir()):
@@ -179,8 +179,8 @@ def _hydra_task(cfg: Any) -> None:
     from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.spec import to_spec
-    from runner.sweep import write_job_status
+    from runner.config.spec import to_spec
+    from runner.sweep.summary import write_job_status
 
     hydra_cfg = HydraConfig.get()
     chosen = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hydra_cfg.overrides.hydra)
@@ -213,7 +213,7 @@ def _hydra_task(cfg: Any) -> None:
         # In a sweep a failed job is recorded, and the next job runs.
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
         sys.stderr.write(f"runner: job {hydra_cfg.job.num} failed: {reason}\n")
-        from runner.sweep_resume import Action, write_record
+        from runner.sweep.resume import Action, write_record
 
         if isinstance(err, UserError) and action is Action.resumed:
             # Refused before it wrote anything: its folder (and checkpoints) stay as they
@@ -236,9 +236,9 @@ def _sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Optional[
     Records what it does; a refused job is recorded and its folder left alone."""
     import signal
 
-    from runner.launch import world_size
-    from runner.signals import EXIT_CODES, hold_again, held_signal
-    from runner.sweep_resume import Action, plan_job, write_record
+    from runner.launch.launcher import world_size
+    from runner.train.signals import EXIT_CODES, hold_again, held_signal
+    from runner.sweep.resume import Action, plan_job, write_record
 
     hold_again()
     held = held_signal()
@@ -246,7 +246,7 @@ def _sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Optional[
         raise SystemExit(EXIT_CODES.get(signal.Signals(held), 1))
     if spec.resume != "auto":
         # A plain sweep: begin_sweep let it start only into an empty folder or with overwrite=true.
-        from runner.sweep_resume import has_results
+        from runner.sweep.resume import has_results
 
         action = Action.rerun if spec.overwrite and has_results(job_dir) else Action.new
         write_record(sweep_dir, job_dir, num, action)
@@ -270,9 +270,9 @@ def _sweep_stopped(
     that continues the whole sweep."""
     import signal
 
-    from runner.signals import EXIT_CODES
-    from runner.sweep import write_job_status
-    from runner.sweep_resume import continue_command, write_record
+    from runner.train.signals import EXIT_CODES
+    from runner.sweep.summary import write_job_status
+    from runner.sweep.resume import continue_command, write_record
 
     signum = {code: sig for sig, code in EXIT_CODES.items()}.get(stop.code)  # type: ignore[arg-type]
     if signum is None:
@@ -290,8 +290,8 @@ def _run_spec_file(argv: list[str]) -> None:
     """`runner --spec RUN_DIR/run_spec.yaml`: re-run a frozen spec, no Hydra."""
     import datetime
 
-    from runner.config_store import short_hash
-    from runner.spec import load_spec
+    from runner.config.store import short_hash
+    from runner.config.spec import load_spec
 
     parser = argparse.ArgumentParser(prog="runner --spec", description="Re-run a frozen run_spec.yaml.")
     parser.add_argument("--spec", required=True, type=Path, help="path to a run_spec.yaml")
@@ -315,8 +315,8 @@ def _run_spec_file(argv: list[str]) -> None:
 
 def _follow() -> None:
     """Rank > 0 of a torchrun / accelerate launch / srun launch: no Hydra, rank 0's spec."""
-    from runner.launch import prepare_environment
-    from runner.worker import run
+    from runner.launch.launcher import prepare_environment
+    from runner.train.worker import run
 
     prepare_environment(1)
     run(None)
@@ -327,14 +327,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     # measured 27% faster steps for the tiny GPT-2, from ~200k to ~6k page faults a
     # step. Read by torch at its first allocation, and inherited by spawned workers.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from runner.distributed import joined_launch
+    from runner.distributed.process_group import joined_launch
 
     argv = sys.argv[1:] if argv is None else argv
     _offline_defaults()
     joined = joined_launch()
     try:
         if argv[:1] == ["env"]:
-            from runner.env_report import main as env_main
+            from runner.report.env_report import main as env_main
 
             env_main()
         elif joined is not None and joined.rank != 0:
@@ -354,8 +354,8 @@ def _run_hydra(argv: list[str]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.config_store import register
-    from runner.paths import conf_dir
+    from runner.config.store import register
+    from runner.config.paths import conf_dir
 
     # Let composition errors reach us as exceptions so we print one clear line
     # (and exit 2) instead of Hydra's report; training crashes keep their traceback.

@@ -18,9 +18,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from runner.config_store import register
-from runner.paths import conf_dir
-from runner.spec import RunSpec, to_spec
+from runner.config.store import register
+from runner.config.paths import conf_dir
+from runner.config.spec import RunSpec, to_spec
 
 # A micro GPT-2 and a few blocks: whole runs in seconds on a 2-core CPU.
 MICRO = [
@@ -47,7 +47,7 @@ def patch_train_step(tmp_path: Path, condition: str, action: str) -> dict[str, s
     inject.mkdir(exist_ok=True)
     (inject / "sitecustomize.py").write_text(
         "import os, time\n"
-        "import runner.trainer as trainer\n"
+        "import runner.train.trainer as trainer\n"
         "original = trainer.Trainer.train_step\n"
         "def patched(self, batch):\n"
         f"    if {condition}:\n"
@@ -99,7 +99,7 @@ def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     wrap a model in-process (one shard), in seconds."""
     import torch.distributed as dist
 
-    from runner.accel import reset_accelerate_state
+    from runner.distributed.accelerator import reset_accelerate_state
 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}.items():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import (
+from runner.distributed.accelerator import (
     EngagementError,
     build_accelerator,
     check_engaged,
@@ -14,7 +14,7 @@ from runner.accel import (
     reset_accelerate_state,
     skip_output_upcast,
 )
-from runner.spec import ModelSpec, OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
+from runner.config.spec import ModelSpec, OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 SUPPORTED_HERE = [PrecisionKind.fp32, PrecisionKind.bf16] + ([PrecisionKind.fp16] if torch.cuda.is_available() else [])
 
@@ -115,7 +115,7 @@ def test_unwrap_leaves_torch_compile_over_ddp_intact():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from runner.accel import unwrap
+    from runner.distributed.accelerator import unwrap
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -143,7 +143,7 @@ def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8
     DeepSpeed's own parser with the world size monkeypatched."""
     import deepspeed.runtime.config as ds_config
 
-    from runner.accel import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
+    from runner.distributed.accelerator import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
 
     plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size, hidden_size))
     plugin.set_mixed_precision(MIXED_PRECISION[precision.kind])
@@ -181,7 +181,7 @@ def test_zero_precision_sections(precision, monkeypatch):
 
 
 def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
-    from runner.spec import OffloadDevice
+    from runner.config.spec import OffloadDevice
 
     strategy = StrategySpec(kind=StrategyKind.zero3, offload_optimizer=OffloadDevice.cpu, offload_params=OffloadDevice.cpu)
     _, parsed = _engine_config(strategy, PrecisionSpec(kind=PrecisionKind.fp16), 1.0, monkeypatch)
@@ -220,7 +220,7 @@ def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     DataLoaderShard passes its flag to send_to_device); on a CPU there is nothing to overlap."""
     from accelerate import Accelerator
 
-    from runner.accel import dataloader_config
+    from runner.distributed.accelerator import dataloader_config
 
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cuda))
     loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=4))
@@ -232,7 +232,7 @@ def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_c
     `tensor.device == "cpu"` check is never true); runner points it at the working one."""
     from types import SimpleNamespace
 
-    from runner.accel import share_zero3_fp32_master
+    from runner.distributed.accelerator import share_zero3_fp32_master
 
     working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
     master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
@@ -261,7 +261,7 @@ def test_grad_norm_never_copies_a_whole_gradient_to_float64():
     memory peak (295 MB for GPT-2's embedding): at most one chunk is cast at a time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runner.accel import NORM_CHUNK_ELEMENTS, grad_norm
+    from runner.distributed.accelerator import NORM_CHUNK_ELEMENTS, grad_norm
 
     g = torch.randn(3 * NORM_CHUNK_ELEMENTS + 5, generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -307,7 +307,7 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     of their own, and its epilogue reallocates the partition and moves them in. Two
     windows of two micro-batches give the gradient norm plain torch computes for each
     window, so nothing stale, unmoved or half-zeroed survives the release."""
-    from runner.accel import backward, optimizer_step
+    from runner.distributed.accelerator import backward, optimizer_step
 
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     reference = _micro_gpt2()

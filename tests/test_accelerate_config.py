@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.accelerate_config import apply_accelerate_config
-from runner.errors import UserError
-from runner.spec import OffloadDevice, PrecisionKind, RunSpec, StrategyKind
+from runner.launch.accelerate_config import apply_accelerate_config
+from runner.config.errors import UserError
+from runner.config.spec import OffloadDevice, PrecisionKind, RunSpec, StrategyKind
 
 CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from runner.paths import PACKAGE_DIR, asset_path
+from runner.config.paths import PACKAGE_DIR, asset_path
 
 
 @pytest.fixture(scope="module")

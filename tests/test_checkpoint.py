@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MICRO
-from runner.checkpoint import COMPLETE_MARKER, complete_checkpoints
+from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
 # 24 steps with a checkpoint every 4: long enough to interrupt, short enough for CI.
 # GPT-2's dropout (0.1) stays on, as in every shipped recipe: a resume must continue
@@ -132,7 +132,7 @@ def test_numbers_do_not_depend_on_what_setup_drew(tmp_path):
         inject.mkdir()
         (inject / "sitecustomize.py").write_text(
             "import torch\n"
-            "import runner.flops as flops\n"
+            "import runner.report.flops as flops\n"
             "def probe(*args, **kwargs):\n"
             f"    torch.randn({draws})\n"
             "    return 1e9\n"

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from runner.checkpoint import complete_checkpoints
+from runner.train.checkpoint import complete_checkpoints
 from conftest import patch_train_step
 from conftest import MICRO
-from runner.parity import parity_problems, step_records
+from runner.report.parity import parity_problems, step_records
 from test_checkpoint import (DROPOUT_ON, RUN, kill_9_after_checkpoint, kill_9_at_step, losses, resume_ok,
                              sigterm_after_first_log)
 

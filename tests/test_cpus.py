@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from runner import cpus
-from runner.launch import prepare_environment
+from runner.launch import cpus
+from runner.launch.launcher import prepare_environment
 
 
 @pytest.fixture

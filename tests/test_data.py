@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from runner.data import cache_key, collate, group_texts, load_raw, prepare, resolve_block_size
-from runner.paths import asset_path
-from runner.spec import DataSpec
+from runner.components.data import cache_key, collate, group_texts, load_raw, prepare, resolve_block_size
+from runner.config.paths import asset_path
+from runner.config.spec import DataSpec
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_a_complete_entry_that_appears_meanwhile_is_never_replaced(tmp_path):
     """Two builders without a working file lock (some shared filesystems) both finish:
     the second one's copy is discarded, and the first one's files, which another node
     may already be reading, are left untouched."""
-    from runner.data import _publish
+    from runner.components.data import _publish
 
     path = _entry(tmp_path / "key", "winner", complete=True)
     inode = (path / "data.arrow").stat().st_ino
@@ -181,7 +181,7 @@ def test_a_complete_entry_that_appears_meanwhile_is_never_replaced(tmp_path):
 
 
 def test_an_incomplete_leftover_is_replaced(tmp_path):
-    from runner.data import _publish
+    from runner.components.data import _publish
 
     path = _entry(tmp_path / "key", "half-written", complete=False)
     fresh = _entry(tmp_path / "key.tmp-here-2", "fresh", complete=True)

@@ -5,9 +5,9 @@ import gzip
 import pytest
 
 
-from runner.data_checks import check_file
-from runner.spec import DataSpec
-from runner.validate import check_data_source
+from runner.components.data_checks import check_file
+from runner.config.spec import DataSpec
+from runner.config.validate import check_data_source
 
 
 def problems(path, text_column=None):
@@ -87,7 +87,7 @@ def test_data_source_rules(tmp_path):
 
 
 def _spec(**data):
-    from runner.spec import RunSpec
+    from runner.config.spec import RunSpec
 
     spec = RunSpec()
     spec.data = DataSpec(**data)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from runner.distributed import device_index, select_device
+from runner.distributed.process_group import device_index, select_device
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from runner.accelerate_config import ACCELERATE_KEYS, RUN_CLM_FLAGS
+from runner.launch.accelerate_config import ACCELERATE_KEYS, RUN_CLM_FLAGS
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

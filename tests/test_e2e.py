@@ -65,8 +65,8 @@ def test_saved_model_matches_the_final_eval(micro_run):
     """The weights in model/ are the trained ones: their eval loss equals the reported one."""
     from transformers import AutoModelForCausalLM
 
-    from runner.data import prepare
-    from runner.spec import load_spec
+    from runner.components.data import prepare
+    from runner.config.spec import load_spec
 
     run_dir, _ = micro_run
     spec = load_spec(run_dir / "run_spec.yaml")
@@ -144,7 +144,7 @@ def test_torch_compile_trains_and_saves(tmp_path):
 
 
 def test_bf16_trains_close_to_fp32_and_saves_fp32_weights(tmp_path):
-    """bf16 autocast (with the fp32 copy of the logits dropped, runner/accel.py) follows
+    """bf16 autocast (with the fp32 copy of the logits dropped, runner/distributed/accelerator.py) follows
     the fp32 losses to bf16's precision, evaluates, and saves full-precision weights."""
     from conftest import MICRO
     from transformers import AutoModelForCausalLM
@@ -189,7 +189,7 @@ def test_zero_optimizer_offload_engages_deepspeed_cpu_adam_and_says_so(tmp_path)
     it (the engagement check reads the offload device DeepSpeed built), say so in the banner
     and in run_spec.yaml, and keep the numbers of torch's AdamW."""
     from conftest import MICRO
-    from runner.spec import spec_from_yaml
+    from runner.config.spec import spec_from_yaml
 
     golden = json.loads(GOLDEN.read_text())["losses"][:3]
     short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))] + ["train.max_steps=3", "train.eval_every=0"]

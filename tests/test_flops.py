@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from runner import flops
-from runner.flops import gpu_peak_tflops, peak_flops
+from runner.report import flops
+from runner.report.flops import gpu_peak_tflops, peak_flops
 
 # Device names as torch.cuda.get_device_name() reports them on these GPUs.
 NAMES = {

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import EngagementError, build_accelerator, check_engaged, global_grad_norm
-from runner.spec import ModelSpec, OffloadDevice, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
+from runner.distributed.accelerator import EngagementError, build_accelerator, check_engaged, global_grad_norm
+from runner.config.spec import ModelSpec, OffloadDevice, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 
 def fsdp_run(precision=PrecisionKind.fp32, reshard=True) -> RunSpec:
@@ -100,7 +100,7 @@ def test_saved_state_dict_is_the_full_fp32_model(one_rank_group):
 
 
 def test_compile_under_fsdp_is_refused_at_validation(compose_spec):
-    from runner.validate import check_fsdp
+    from runner.config.validate import check_fsdp
 
     [problem] = check_fsdp(compose_spec("recipe=gpt2_clm_tiny", "strategy=fsdp", "model.compile=true"))
     assert "model.compile=true with strategy=fsdp" in problem

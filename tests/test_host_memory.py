@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from runner.host_memory import retain_freed_memory
+from runner.train.host_memory import retain_freed_memory
 
 # Twenty rounds of a 64 MB tensor, allocated, touched, freed, like a training step's
 # activations: the page faults of the last ten. (With retention the heap grows for the
@@ -14,7 +14,7 @@ from runner.host_memory import retain_freed_memory
 ROUNDS = """
 import resource, sys
 if sys.argv[1] == "retain":
-    from runner.host_memory import retain_freed_memory
+    from runner.train.host_memory import retain_freed_memory
     assert retain_freed_memory()
 import torch
 for round in range(20):
@@ -58,7 +58,7 @@ def test_applies_on_glibc():
 FRAGMENTS = """
 import sys
 if sys.argv[1] == "return":
-    from runner.host_memory import return_freed_memory
+    from runner.train.host_memory import return_freed_memory
     assert return_freed_memory()
 import torch
 

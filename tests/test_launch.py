@@ -16,8 +16,8 @@ from test_checkpoint import cmd, losses
 def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeypatch):
     """A launch from a process that later starts a torchrun must not hand its old plan to
     those ranks (seen in CI: rank 1 of a torchrun join was told the plan was 1)."""
-    from runner import launch as launch_module
-    from runner.spec import RunSpec
+    from runner.launch import launcher as launch_module
+    from runner.config.spec import RunSpec
 
     monkeypatch.delenv(launch_module.PLANNED_WORLD_SIZE_ENV, raising=False)
     seen = []
@@ -64,7 +64,7 @@ def test_without_restarts_a_single_worker_crash_fails_the_run(tmp_path):
 def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     env = {**os.environ, **patch_train_step(
         tmp_path, 'os.environ.get("RANK") == "1"',
-        'from runner.errors import UserError; raise UserError("data.train_file: unusable on this rank. Fix it.")',
+        'from runner.config.errors import UserError; raise UserError("data.train_file: unusable on this rank. Fix it.")',
     )}
     done = subprocess.run(cmd(tmp_path / "run", "launch.nproc_per_node=2", "train.per_device_batch_size=2"),
                           capture_output=True, text=True, timeout=900, env=env)

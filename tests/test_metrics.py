@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from runner.metrics import summary_table
+from runner.report.metrics import summary_table
 
 
 def test_summary_shows_mfu_as_a_percentage_and_skips_what_is_missing():
@@ -41,7 +41,7 @@ class _FakeCuda:
 def test_gpu_peak_memory_is_per_window_reserved_and_the_run_peak_survives(monkeypatch):
     import torch
 
-    from runner import metrics
+    from runner.report import metrics
 
     monkeypatch.setattr(metrics, "_run_peak_mb", {})
     cuda = _FakeCuda()

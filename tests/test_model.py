@@ -3,7 +3,7 @@
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.model import count_parameters
+from runner.components.model import count_parameters
 
 
 def _tiny() -> GPT2LMHeadModel:

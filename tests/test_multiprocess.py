@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import MICRO, patch_train_step
-from runner.parity import parity_problems, step_records
+from runner.report.parity import parity_problems, step_records
 
 # Each layout runs once, when a test first asks for it (so `-k fsdp` runs only those).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -87,7 +87,7 @@ def test_loss_and_grad_norm_agree_with_one_process_at_every_step(runs, name):
 
 
 # Every layout reports the float64-accumulated norm of the gradients it holds
-# (runner/accel.py grad_norm; DeepSpeed's own under ZeRO): measured within 6e-8 of one
+# (runner/distributed/accelerator.py grad_norm; DeepSpeed's own under ZeRO): measured within 6e-8 of one
 # process at every step. torch's float32 CPU norm had read 5.4e-4 low on one process's
 # embedding gradient and 2.7e-4 low on fsdp's half shards, inside the 0.1% above.
 SAME_NORM_RTOL = 1e-6
@@ -202,7 +202,7 @@ def test_global_batch_size_derives_accumulation(runs, tmp_path):
 
 def test_two_nodes_on_one_machine_equal_single_node_ddp(runs, tmp_path):
     """Two launchers as two 'nodes' (one worker each) meet at one c10d endpoint."""
-    from runner.launch import free_port
+    from runner.launch.launcher import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     common = ["launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint={endpoint}", "train.per_device_batch_size=4"]

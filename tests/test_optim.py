@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.optim import build_optimizer, build_scheduler, effective_lr, param_groups
-from runner.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
+from runner.components.optim import build_optimizer, build_scheduler, effective_lr, param_groups
+from runner.config.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
 
 
 def test_no_weight_decay_on_biases_and_layernorm():
@@ -56,7 +56,7 @@ def test_schedule_warmup_then_shape(kind):
 
 
 def test_warmup_ratio():
-    from runner.optim import warmup_steps
+    from runner.components.optim import warmup_steps
 
     assert warmup_steps(ScheduleSpec(warmup_ratio=0.1), 200) == 20
     assert warmup_steps(ScheduleSpec(warmup_steps=5, warmup_ratio=0.1), 200) == 5

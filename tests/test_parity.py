@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runner.parity import parity_problems, step_records
+from runner.report.parity import parity_problems, step_records
 
 
 def records(*rows):

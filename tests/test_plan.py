@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from runner.plan import batches_per_rank, estimate_memory, steps_per_epoch, total_steps
+from runner.train.plan import batches_per_rank, estimate_memory, steps_per_epoch, total_steps
 
 P = 124_439_808  # GPT-2 small
 

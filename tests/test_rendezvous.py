@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import MICRO
-from runner.errors import UserError
-from runner.launch import free_port
-from runner.rendezvous import check_endpoint, rendezvous_configs
-from runner.spec import LaunchSpec
+from runner.config.errors import UserError
+from runner.launch.launcher import free_port
+from runner.launch.rendezvous import check_endpoint, rendezvous_configs
+from runner.config.spec import LaunchSpec
 
 TWO_NODES = ["launch.nnodes=2", "launch.nproc_per_node=1"]
 

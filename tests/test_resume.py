@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runner.resume import compare, layout_change_problems
+from runner.train.resume import compare, layout_change_problems
 
 MARKER = {"samples_in_epoch": 32}
 

@@ -1,10 +1,10 @@
-"""The training stream's seed and the loaders' private generators (runner/rng.py)."""
+"""The training stream's seed and the loaders' private generators (runner/train/rng.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from runner.rng import loader_generator, seed_training_stream, training_stream_seed
+from runner.train.rng import loader_generator, seed_training_stream, training_stream_seed
 
 
 def test_the_training_stream_is_seeded_apart_from_the_weights_and_reproducibly():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from runner.errors import UserError
-from runner.rundir import continues_in_place, prepare_run_dir
+from runner.config.errors import UserError
+from runner.launch.rundir import continues_in_place, prepare_run_dir
 
 
 def finished_run(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from runner.signals import StopRequest
+from runner.train.signals import StopRequest
 
 
 def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
@@ -64,7 +64,7 @@ def test_a_signal_held_between_sweep_jobs_stops_the_next_training_loop(monkeypat
     starts already asked to stop, so it checkpoints after its first step."""
     import os
 
-    import runner.signals as signals
+    import runner.train.signals as signals
 
     monkeypatch.setattr(signals, "_held", None)
     monkeypatch.setattr(signals, "_holding", False)

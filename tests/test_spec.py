@@ -6,10 +6,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner.errors import compose_error
-from runner.paths import conf_dir, recipes_dir
-from runner.spec import PrecisionKind, RunSpec, StrategyKind, load_spec, save_spec
-from runner.validate import check_data_source, check_model, check_numbers
+from runner.config.errors import compose_error
+from runner.config.paths import conf_dir, recipes_dir
+from runner.config.spec import PrecisionKind, RunSpec, StrategyKind, load_spec, save_spec
+from runner.config.validate import check_data_source, check_model, check_numbers
 
 RECIPES = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 GROUP_OPTIONS = sorted(

@@ -61,7 +61,7 @@ def test_summary_files_and_printed_table(mixed_sweep):
 def test_runner_report_rebuilds_the_summary(mixed_sweep):
     sweep_dir, _ = mixed_sweep
     (sweep_dir / "summary.csv").unlink()
-    done = subprocess.run([sys.executable, "-c", "from runner.sweep import report_main; report_main()", str(sweep_dir)],
+    done = subprocess.run([sys.executable, "-c", "from runner.sweep.summary import report_main; report_main()", str(sweep_dir)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert len(list(csv.DictReader((sweep_dir / "summary.csv").open()))) == 4
@@ -72,8 +72,8 @@ def test_slurm_launcher_config_composes():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from runner.config_store import register
-    from runner.paths import conf_dir
+    from runner.config.store import register
+    from runner.config.paths import conf_dir
 
     register()
     GlobalHydra.instance().clear()

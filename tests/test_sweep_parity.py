@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from runner.sweep import summarize
-from runner.sweep_parity import Job, dropout_settings, pick_baseline
+from runner.sweep.summary import summarize
+from runner.sweep.parity import Job, dropout_settings, pick_baseline
 
 GPT2_NO_DROPOUT = {"model_type": "gpt2", "n_embd": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                    "summary_first_dropout": 0.1}  # the classification head's: not a causal LM's dropout

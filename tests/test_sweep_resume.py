@@ -17,11 +17,11 @@ from typing import Optional
 import pytest
 
 from conftest import MICRO
-from runner.checkpoint import COMPLETE_MARKER, checkpoint_dir
-from runner.errors import UserError
-from runner.spec import SPEC_FILENAME, save_spec
-from runner.sweep import collect, write_job_status
-from runner.sweep_resume import Action, begin_sweep, continue_command, plan_job, read_records, write_record
+from runner.train.checkpoint import COMPLETE_MARKER, checkpoint_dir
+from runner.config.errors import UserError
+from runner.config.spec import SPEC_FILENAME, save_spec
+from runner.sweep.summary import collect, write_job_status
+from runner.sweep.resume import Action, begin_sweep, continue_command, plan_job, read_records, write_record
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.accel import EngagementError, build_accelerator, check_engaged, reset_accelerate_state
-from runner.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
-from runner.trainer import NonFiniteLoss, Trainer
+from runner.distributed.accelerator import EngagementError, build_accelerator, check_engaged, reset_accelerate_state
+from runner.config.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
+from runner.train.trainer import NonFiniteLoss, Trainer
 
 VOCAB = 64
 
@@ -186,7 +186,7 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
     """ZeRO-2 in one process (gloo): the engagement check reads the engine's offload and
     optimizer; an inf gradient stops the run with the engine's weights and step count as
     they were (Accelerate's own backward would have stepped the engine already)."""
-    from runner.launch import free_port, prepare_environment
+    from runner.launch.launcher import free_port, prepare_environment
 
     pytest.importorskip("deepspeed")
     import torch.distributed as dist

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runner.validate import check_accelerate_environment, check_fsdp, check_strategy
+from runner.config.validate import check_accelerate_environment, check_fsdp, check_strategy
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
 
 
 def leaf_fields(node: type = None, prefix: str = "") -> list[tuple[str, type]]:
-    from runner.spec import RunSpec
+    from runner.config.spec import RunSpec
 
     node = node or RunSpec
     out = []
@@ -120,8 +120,8 @@ def composed(tmp_path_factory):
     from hydra.core.global_hydra import GlobalHydra
 
     from conftest import MICRO
-    from runner.config_store import register
-    from runner.paths import conf_dir
+    from runner.config.store import register
+    from runner.config.paths import conf_dir
 
     text = tmp_path_factory.mktemp("data") / "train.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune.\n" * 200)
@@ -142,14 +142,14 @@ def test_every_bad_value_is_refused_in_one_line(composed, key, value, tmp_path, 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    import runner.launch
+    import runner.launch.launcher
     from runner.cli import start
-    from runner.errors import UserError, compose_error
-    from runner.spec import to_spec
+    from runner.config.errors import UserError, compose_error
+    from runner.config.spec import to_spec
 
     (tmp_path / "a_file").write_text("")
     value = value(tmp_path) if callable(value) else value
-    monkeypatch.setattr(runner.launch, "launch", lambda *a, **k: (_ for _ in ()).throw(Launched()))
+    monkeypatch.setattr(runner.launch.launcher, "launch", lambda *a, **k: (_ for _ in ()).throw(Launched()))
     cfg = copy.deepcopy(composed)
     try:
         OmegaConf.update(cfg, key, value, merge=False)

@@ -4,8 +4,8 @@ GPU or the library cannot honour are refused before a run starts."""
 import pytest
 import torch
 
-from runner.errors import UserError
-from runner.validate import check_gpu_precision, validate
+from runner.config.errors import UserError
+from runner.config.validate import check_gpu_precision, validate
 
 
 def _gpus(monkeypatch, *devices):

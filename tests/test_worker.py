@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import MICRO
-from runner.errors import UserError
-from runner.validate import check_zero_save
+from runner.config.errors import UserError
+from runner.config.validate import check_zero_save
 
 
 def test_zero3_without_the_full_gather_is_refused_at_validation(compose_spec):
@@ -59,7 +59,7 @@ def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_
 def test_loaders_pin_host_memory_on_a_gpu(compose_spec, monkeypatch, cuda):
     from types import SimpleNamespace
 
-    from runner.worker import _loaders
+    from runner.train.worker import _loaders
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     data = SimpleNamespace(train=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 8, validation=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 4)

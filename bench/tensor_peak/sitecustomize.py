@@ -2,7 +2,7 @@
 
 Imported by each worker when this folder is on PYTHONPATH and RUNNER_BENCH_TENSOR_PEAK
 names an output folder. torch.profiler's memory recording runs from the start of
-`runner.worker.train` (before the model exists) to the end of the second optimizer
+`runner.train.worker.train` (before the model exists) to the end of the second optimizer
 step (the first allocates AdamW's state); every CPU allocation event carries the
 allocator's running total of bytes it handed out while recording, so the largest
 total seen during step 2 is the peak of live tensors then. On a CPU that is what
@@ -17,8 +17,8 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
     import json
     from pathlib import Path
 
-    import runner.trainer as _trainer
-    import runner.worker as _worker
+    import runner.train.trainer as _trainer
+    import runner.train.worker as _worker
 
     _PROFILED_STEP = 2
     _state: dict = {}

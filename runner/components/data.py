@@ -1,0 +1,305 @@
+"""run_clm's data pipeline: load text, tokenize, concatenate, cut into blocks; cached.
+
+The processed blocks are saved under a key made of everything that changes them
+(file contents or dataset name, tokenizer, block size, text column, split ...),
+so a second run with the same inputs skips tokenization and any change rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from runner.components.data_checks import builder_for
+from runner.config.paths import default_cache_dir
+from runner.config.spec import DataSpec
+
+if TYPE_CHECKING:
+    import torch
+    from datasets import Dataset, DatasetDict
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+# Bump when the processing below changes, so old cache entries are not reused.
+PIPELINE_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+
+
+@dataclass
+class PreparedData:
+    train: "Dataset"
+    validation: "Dataset"
+    block_size: int
+    cache_path: Path
+    cache_hit: bool
+    seconds: float
+
+
+def resolve_block_size(data: DataSpec, model_positions: Optional[int], tokenizer_max: int) -> int:
+    """run_clm: block_size defaults to min(1024, tokenizer.model_max_length), and
+    never exceeds the model's positions."""
+    if data.block_size is not None:
+        return data.block_size
+    candidates = [1024, tokenizer_max]
+    if model_positions:
+        candidates.append(model_positions)
+    return min(candidates)
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: "PreTrainedTokenizerBase") -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
+
+
+def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> str:
+    parts: dict[str, Any] = {
+        "pipeline": PIPELINE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "block_size": block_size,
+        "text_column": data.text_column,
+        "keep_linebreaks": data.keep_linebreaks,
+        "validation_split_percentage": None if data.validation_file else data.validation_split_percentage,
+        # datasets shards the rows contiguously over the workers, and each batch drops its
+        # remainder inside a shard, so the blocks depend on the worker count (null = 1).
+        "preprocessing_num_workers": data.preprocessing_num_workers or 1,
+    }
+    if data.train_file:
+        parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
+        parts["train_type"] = builder_for(data.train_file)
+        if data.validation_file:
+            parts["validation_file"] = _file_sha256(os.path.expanduser(data.validation_file))
+    else:
+        parts["dataset"] = [data.dataset_name, data.dataset_config_name]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_raw(data: DataSpec) -> "DatasetDict":
+    """Raw text rows with `train` and `validation` splits, as run_clm builds them."""
+    from datasets import DatasetDict, load_dataset
+
+    if data.dataset_name:
+        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+    else:
+        files = {"train": os.path.expanduser(str(data.train_file))}
+        if data.validation_file:
+            files["validation"] = os.path.expanduser(data.validation_file)
+        builder = builder_for(files["train"])
+        kwargs = {"keep_linebreaks": data.keep_linebreaks} if builder == "text" else {}
+        raw = load_dataset(builder, data_files=files, **kwargs)
+    if "validation" not in raw:
+        # run_clm: validation = train[:p%], train = train[p%:]
+        train = raw["train"]
+        n_val = len(train) * data.validation_split_percentage // 100
+        raw = DatasetDict(validation=train.select(range(n_val)), train=train.select(range(n_val, len(train))))
+    from runner.config.errors import UserError
+
+    if len(raw["validation"]) == 0:
+        raise UserError(
+            "the validation data leaves no eval rows. Raise data.validation_split_percentage "
+            "or give data.validation_file."
+        )
+    if len(raw["train"]) == 0:
+        raise UserError("the training split has no rows. Give more data or lower data.validation_split_percentage.")
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def text_column_of(data: DataSpec, columns: list[str]) -> str:
+    if data.text_column:
+        if data.text_column not in columns:
+            from runner.config.errors import UserError
+
+            raise UserError(f"data.text_column='{data.text_column}' is not a column (have: {', '.join(columns)}).")
+        return data.text_column
+    return "text" if "text" in columns else columns[0]
+
+
+def group_texts(examples: dict[str, list[list[int]]], block_size: int) -> dict[str, list[list[int]]]:
+    """Concatenate all token lists and cut them into block_size chunks, dropping the
+    remainder (run_clm's group_texts; labels are the inputs, set at collate time)."""
+    ids = list(chain.from_iterable(examples["input_ids"]))
+    total = (len(ids) // block_size) * block_size
+    return {"input_ids": [ids[i : i + block_size] for i in range(0, total, block_size)]}
+
+
+def tokenize_and_group(
+    raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int
+) -> "DatasetDict":
+    column = text_column_of(data, raw["train"].column_names)
+    eos_warning = logging.getLogger("transformers.tokenization_utils_base")
+    eos_warning.setLevel(logging.ERROR)  # long rows are expected: they are split into blocks next
+
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, Any]:
+        return {"input_ids": tokenizer(batch[column], return_attention_mask=False)["input_ids"]}
+
+    workers = data.preprocessing_num_workers
+    tokenized = raw.map(
+        tokenize,
+        batched=True,
+        num_proc=workers,
+        remove_columns=raw["train"].column_names,
+        desc="Tokenizing",
+        load_from_cache_file=False,  # our own cache decides; don't double-store
+    )
+    return tokenized.map(
+        group_texts,
+        batched=True,
+        num_proc=workers,
+        fn_kwargs={"block_size": block_size},
+        desc=f"Grouping into blocks of {block_size}",
+        load_from_cache_file=False,
+    )
+
+
+def _refuse_empty(blocks: "DatasetDict", data: DataSpec, block_size: int) -> None:
+    """A split too short for one block cannot train or evaluate; say which and why."""
+    from runner.config.errors import UserError
+
+    source = data.train_file or data.dataset_name
+    problems = []
+    if len(blocks["train"]) == 0:
+        problems.append(
+            f"the training data ({source}) is shorter than one block of {block_size} tokens. "
+            "Give more text or lower data.block_size."
+        )
+    if len(blocks["validation"]) == 0:
+        where = data.validation_file or f"{data.validation_split_percentage}% of {source}"
+        problems.append(
+            f"the validation data ({where}) is shorter than one block of {block_size} tokens. Raise "
+            "data.validation_split_percentage, give a longer data.validation_file, or lower data.block_size."
+        )
+    if problems:
+        raise UserError(problems)
+
+
+@contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on one cache entry, held while it is built: two nodes sharing a
+    cache folder (NFS and Lustre support flock) tokenize once, not at the same time.
+    Where the filesystem has no locks, building stays safe without one (see _publish)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            log.warning(f"no file locks on {path.parent}; concurrent runs may tokenize twice")
+        try:
+            yield
+        finally:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            except OSError:
+                pass
+
+
+def _unique_name(path: Path, what: str) -> Path:
+    # Host name too: two nodes on one shared folder can have processes with equal pids.
+    return path.with_name(f"{path.name}.{what}-{socket.gethostname()}-{os.getpid()}")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Move a finished entry into place without touching one another process may read.
+
+    A complete entry (with its marker) is never removed: if one appeared meanwhile, ours
+    is discarded. An incomplete leftover (a crash before this scheme) is renamed aside
+    first, so removing it never races a reader (readers only open complete entries)."""
+    if (path / COMPLETE_MARKER).exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if path.exists():
+        aside = _unique_name(path, "stale")
+        path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        tmp.rename(path)  # atomic; fails, never overwrites, if another builder won the race
+    except OSError:
+        if not (path / COMPLETE_MARKER).exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
+    """Cached blocks for train and validation; builds them if absent."""
+    from datasets import load_from_disk
+
+    started = time.perf_counter()
+    root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
+    path = root / cache_key(data, tokenizer, block_size)
+    hit = (path / COMPLETE_MARKER).exists()
+    if not hit:
+        with _cache_lock(path):
+            hit = (path / COMPLETE_MARKER).exists()  # built by whoever held the lock before us
+            if not hit:
+                blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
+                _refuse_empty(blocks, data, block_size)
+                # Build beside the final folder under a name no other process uses, then
+                # publish: a crash never leaves a half-written entry a later run would trust.
+                tmp = _unique_name(path, "tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                blocks.save_to_disk(str(tmp))
+                (tmp / COMPLETE_MARKER).write_text(json.dumps({"block_size": block_size}))
+                _publish(tmp, path)
+    blocks = load_from_disk(str(path))
+    train, validation = blocks["train"], blocks["validation"]
+    if data.max_train_samples is not None:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    if data.max_eval_samples is not None:
+        validation = validation.select(range(min(data.max_eval_samples, len(validation))))
+    return PreparedData(
+        train=train.with_format("torch"),
+        validation=validation.with_format("torch"),
+        block_size=block_size,
+        cache_path=path,
+        cache_hit=hit,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
+    import torch
+
+    input_ids = torch.stack([row["input_ids"] for row in batch])
+    # Causal LM: labels are the inputs; the model shifts them by one internally.
+    return {"input_ids": input_ids, "labels": input_ids}
+
+
+class EpochSampler:
+    """Shuffles with seed + epoch, so epoch e's order is known without replaying
+    epochs 0..e-1: a resumed run continues the exact order (torch's RandomSampler
+    with a seeded generator gives the same epoch-0 order)."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples

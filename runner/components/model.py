@@ -1,0 +1,147 @@
+"""Builders for the model config, tokenizer and model (one sub-spec in, one object out)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+from urllib.parse import urlparse
+
+from runner.config.errors import UserError
+from runner.config.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+OFFLINE_FIX = (
+    "Use the offline recipe (recipe=gpt2_clm_tiny), or download the files on a "
+    "connected machine and point at them (model.name_or_path=/local/dir)."
+)
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Fast check so an offline machine fails at once instead of retrying for minutes."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_source(name: str, what: str, override: str) -> None:
+    """Raise a UserError unless `name` (not a local folder) can be had from cache or hub."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json" if what == "model" else "tokenizer_config.json")
+    if isinstance(cached, str) or hub_reachable():
+        return
+    raise UserError(
+        f"{override}='{name}' is not a local folder, is not in the Hugging Face cache, "
+        f"and the hub is unreachable. {OFFLINE_FIX}"
+    )
+
+
+def tokenizer_source(spec: ModelSpec) -> Optional[str]:
+    return spec.tokenizer_name or spec.name_or_path
+
+
+def check_sources(spec: ModelSpec) -> list[str]:
+    """Can the config, weights and tokenizer be had? One message per problem."""
+    if tokenizer_source(spec) is None:
+        return [
+            "model.tokenizer_name is required when training from scratch "
+            "(model.tokenizer_name='${asset:gpt2_tokenizer}' is the vendored GPT-2 tokenizer)."
+        ]
+    sources: dict[str, tuple[str, str]] = {}  # value -> (what, override); a shared name is checked once
+    if spec.name_or_path:
+        sources[spec.name_or_path] = ("model", "model.name_or_path")
+    sources.setdefault(str(tokenizer_source(spec)), ("tokenizer", "model.tokenizer_name"))
+    problems: list[str] = []
+    for value, (what, override) in sources.items():
+        local = Path(value).expanduser()
+        if local.is_dir():
+            continue
+        if value.startswith(("/", ".", "~")):
+            problems.append(f"{override}: no such folder '{value}'. Fix the path.")
+            continue
+        try:
+            _hub_source(value, what, override)
+        except UserError as err:
+            problems += err.problems
+    return problems
+
+
+def build_config(spec: ModelSpec) -> "PretrainedConfig":
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if spec.name_or_path:
+        config = AutoConfig.from_pretrained(os.path.expanduser(spec.name_or_path))
+    else:
+        if spec.model_type not in CONFIG_MAPPING:
+            raise UserError(f"model.model_type='{spec.model_type}' is not a transformers model type (e.g. gpt2).")
+        config = CONFIG_MAPPING[spec.model_type]()
+    if spec.config_overrides:
+        try:
+            config.update_from_string(spec.config_overrides)
+        except ValueError as err:
+            raise UserError(
+                f"model.config_overrides='{spec.config_overrides}': {err}. "
+                "Use run_clm's form, e.g. model.config_overrides='n_embd=128,n_layer=2'."
+            ) from None
+    return config
+
+
+def max_positions(config: "PretrainedConfig") -> Optional[int]:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def build_tokenizer(spec: ModelSpec) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
+    source = tokenizer_source(spec)
+    assert source is not None, "validated: a tokenizer is always named"
+    return AutoTokenizer.from_pretrained(os.path.expanduser(source), use_fast=True)
+
+
+def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) -> "PreTrainedModel":
+    """Pretrained weights, or a fresh model from `config` (seed first: init is random)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if spec.attn_implementation is not None:
+        kwargs["attn_implementation"] = spec.attn_implementation.value
+    if spec.name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(spec.name_or_path), config=config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    # run_clm: grow the embedding only if the tokenizer has more tokens than the model.
+    if vocab_size > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocab_size)
+    if spec.gradient_checkpointing:
+        # transformers 5 renamed it; 4.x only has the old name.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: "PreTrainedModel") -> int:
+    """Every parameter once, at its full size, whatever the strategy."""
+    # Tied weights (GPT-2's lm_head and wte) are one tensor; count it once.
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            # Under ZeRO-3 a partitioned parameter is an empty placeholder (numel() 0);
+            # DeepSpeed keeps its full size in ds_numel.
+            total += int(getattr(p, "ds_numel", p.numel()))
+    return total

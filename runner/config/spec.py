@@ -1,0 +1,344 @@
+"""The run spec: one typed schema for every setting, and its frozen on-disk form.
+
+Every user-facing setting is defined here, once, with its default and allowed
+values documented under it. Hydra composes YAML on top of this schema (so an
+unknown key or a wrong type fails at compose time); `runner.config.validate` then
+checks what only makes sense across fields. Workers never run Hydra: they read
+the resolved `run_spec.yaml` through `load_spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+SPEC_FILENAME = "run_spec.yaml"
+
+
+class StrategyKind(str, enum.Enum):
+    ddp = "ddp"
+    zero2 = "zero2"
+    zero3 = "zero3"
+    fsdp = "fsdp"  # PyTorch FSDP2 (fully_shard) through Accelerate
+    accelerate_config = "accelerate_config"  # read from strategy.config_file, then one of the above
+
+
+class PrecisionKind(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class OffloadDevice(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+
+
+class TrackingKind(str, enum.Enum):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+    trackio = "trackio"
+    none = "none"
+
+
+class OptimKind(str, enum.Enum):
+    adamw = "adamw"
+
+
+class LrScaling(str, enum.Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class ScheduleKind(str, enum.Enum):
+    linear = "linear"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class AttnImplementation(str, enum.Enum):
+    eager = "eager"
+    sdpa = "sdpa"
+
+
+@dataclass
+class ModelSpec:
+    name_or_path: Optional[str] = None
+    """Pretrained weights: a hub id (`gpt2`) or a local folder with config.json and
+    weights. null: build `model_type` from scratch (random init), like run_clm."""
+    model_type: str = "gpt2"
+    """Architecture built from scratch when `name_or_path` is null (any transformers
+    model type with a causal LM head)."""
+    config_overrides: Optional[str] = None
+    """run_clm's form, applied to the config before building: "n_embd=10,resid_pdrop=0.2"."""
+    tokenizer_name: Optional[str] = None
+    """A hub id or local folder. null: the tokenizer that ships with `name_or_path`.
+    `${asset:gpt2_tokenizer}` is the vendored GPT-2 tokenizer (works offline)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about 30% more compute."""
+    compile: bool = False
+    """Wrap the model in torch.compile (first steps are slow while it compiles)."""
+    attn_implementation: Optional[AttnImplementation] = None
+    """eager | sdpa. null: transformers' default for the model."""
+
+
+@dataclass
+class DataSpec:
+    dataset_name: Optional[str] = None
+    """A hub dataset (`wikitext`). Set either this or `train_file`."""
+    dataset_config_name: Optional[str] = None
+    """The hub dataset's configuration (`wikitext-2-raw-v1`)."""
+    train_file: Optional[str] = None
+    """A local .txt, .json, .jsonl or .csv file, optionally gzipped (.gz)."""
+    validation_file: Optional[str] = None
+    """Like `train_file`. null: hold out `validation_split_percentage` of train."""
+    validation_split_percentage: int = 5
+    """Percent of train used for validation when there is no validation split (1-99)."""
+    text_column: Optional[str] = None
+    """Column holding the text. null: `text` if present, else the first column."""
+    keep_linebreaks: bool = True
+    """For .txt files: keep the newline at the end of each line."""
+    block_size: Optional[int] = None
+    """Tokens per training sequence. null: min(1024, the model's max positions)."""
+    max_train_samples: Optional[int] = None
+    """Keep only the first N training blocks (debugging, quick runs)."""
+    max_eval_samples: Optional[int] = None
+    """Keep only the first N evaluation blocks."""
+    preprocessing_num_workers: Optional[int] = None
+    """Processes for tokenization. null: one. The blocks depend on it (each worker groups
+    its own contiguous shard), so it is part of the data cache key, and a resume refuses
+    a change of it."""
+    cache_dir: Optional[str] = None
+    """Where tokenized, grouped data is cached. null: $RUNNER_CACHE_DIR or ~/.cache/runner."""
+
+
+@dataclass
+class OptimSpec:
+    kind: OptimKind = OptimKind.adamw
+    """adamw (torch.optim.AdamW)."""
+    lr: float = 5e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value before each step. 0 disables."""
+    fused: bool = True
+    """torch's fused AdamW kernel (one kernel for all parameters; the HF Trainer's default
+    optimizer too). false: torch's default (foreach) implementation."""
+    scale_lr: LrScaling = LrScaling.none
+    """Rescale lr when the global batch B differs from reference_global_batch B_ref:
+    none | linear (lr x B / B_ref) | sqrt (lr x sqrt(B / B_ref))."""
+    reference_global_batch: Optional[int] = None
+    """The global batch `lr` was tuned at (needed by scale_lr)."""
+
+
+@dataclass
+class ScheduleSpec:
+    kind: ScheduleKind = ScheduleKind.linear
+    """linear | cosine | constant (after warmup)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `optim.lr`."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of total steps; used when warmup_steps is 0."""
+
+
+@dataclass
+class TrainSpec:
+    per_device_batch_size: int = 8
+    """Sequences per device per micro-batch."""
+    per_device_eval_batch_size: Optional[int] = None
+    """null: same as per_device_batch_size."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step.
+    Global batch = per_device_batch_size x world size x grad_accum_steps."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step. When set, grad_accum_steps is derived from it:
+    global_batch_size / (per_device_batch_size x world size), which must divide."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to run. null: run `num_epochs` epochs."""
+    num_epochs: float = 3.0
+    """Passes over the training blocks when max_steps is null."""
+    seed: int = 42
+    """Seeds python, numpy and torch on every rank (model init and data order)."""
+    log_every: int = 10
+    """Log train loss every N optimizer steps. 0 disables."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (and always at the end). 0 disables."""
+    save_every: int = 0
+    """Write a resumable checkpoint every N optimizer steps. 0 disables."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes (0: load in the training process)."""
+
+
+@dataclass
+class LaunchSpec:
+    nproc_per_node: str = "auto"
+    """Worker processes on this machine. auto: one per visible GPU, or 1 on a CPU."""
+    nnodes: int = 1
+    """Machines taking part."""
+    node_rank: int = 0
+    """This machine's index, 0..nnodes-1."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the c10d rendezvous (node 0's address). null: a free local port (one node)."""
+    rdzv_timeout: int = 900
+    """Seconds a node waits at the rendezvous (launch.nnodes>1): for launch.rdzv_endpoint to
+    answer, and for every node to join. A node may start up to this long after the first;
+    past it, the run stops with a message naming the endpoint."""
+    max_restarts: int = 0
+    """Restart all workers up to N times after a crash (they resume from the newest checkpoint).
+    Any world size: with N > 0 a single worker runs in its own process, so it can be restarted."""
+    timeout_minutes: float = 30.0
+    """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
+    debug: bool = False
+    """Distributed debug logs on every rank: TORCH_DISTRIBUTED_DEBUG=DETAIL, and NCCL_DEBUG=INFO on GPUs."""
+    retain_freed_memory: bool = True
+    """Keep freed host (CPU) memory in each worker for reuse instead of returning it to the
+    OS every step (glibc mallopt; see runner/train/host_memory.py): much faster CPU steps, but a
+    worker's resident memory stays near its peak. false: every freed block above 128 KiB goes
+    back to the OS at once (glibc's thresholds fixed, not adaptive), so resident memory follows
+    what the worker holds; use it to compare strategies' memory on a CPU."""
+
+
+@dataclass
+class StrategySpec:
+    kind: StrategyKind = StrategyKind.ddp
+    """ddp (DistributedDataParallel) | zero2 | zero3 (DeepSpeed ZeRO through Accelerate) |
+    fsdp (PyTorch FSDP2, fully_shard, through Accelerate; 2 processes or more) |
+    accelerate_config (translate strategy.config_file into one of those)."""
+    offload_optimizer: OffloadDevice = OffloadDevice.none
+    """ZeRO only (refused under ddp): none | cpu. DeepSpeed then steps its own
+    DeepSpeedCPUAdam on the CPU (the banner says so); optim.fused does not apply."""
+    offload_params: OffloadDevice = OffloadDevice.none
+    """ZeRO-3 or fsdp only (refused otherwise: ZeRO-2 does not partition parameters): none | cpu.
+    Under fsdp, FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step live
+    on the CPU (needs a GPU: on a CPU-only machine they are in host memory already)."""
+    reshard_after_forward: bool = True
+    """fsdp only: free each block's gathered parameters after its forward and gather them
+    again in backward (fully sharded, least memory). false keeps them gathered from
+    forward to backward: one all-gather fewer per block, ZeRO-2-like memory."""
+    zero3_save_16bit_model: bool = True
+    """ZeRO-3 only: gather full weights when saving, so model/ is a complete HF model.
+    Must stay true: model/ is always the full fp32 weights (false is refused)."""
+    config_file: Optional[str] = None
+    """An accelerate config YAML (as `accelerate config` writes) to read the strategy,
+    precision, accumulation, clipping and process layout from (strategy=accelerate_config)."""
+
+
+@dataclass
+class PrecisionSpec:
+    kind: PrecisionKind = PrecisionKind.fp32
+    """fp32 | bf16 (autocast; CPU or Ampere+ GPU) | fp16 (autocast + loss scaling, GPU only)."""
+    max_consecutive_skipped_steps: int = 25
+    """fp16: stop the run (exit 3) after this many optimizer steps in a row were skipped on
+    overflow (inf/NaN gradients at the current loss scale; each skip halves the scale). A
+    healthy run skips a few at the start while the scale settles (2^16 halved 25 times is
+    below 1e-2); more in a row means the gradients are non-finite at any scale. fp32 and
+    bf16 never skip: a non-finite gradient stops them at once. >= 1."""
+
+
+@dataclass
+class SweepSpec:
+    parity_baseline: Optional[str] = None
+    """The job a sweep's summary compares every other job's per-step loss and gradient
+    norm with (runner/sweep/parity.py): null: the first job; an index ("2", as in the job
+    folder's number); or overrides the job was run with ("strategy=ddp", quoted on the
+    command line). It must name exactly one job, or the summary says why not."""
+
+
+@dataclass
+class RunSpec:
+    name: str = "run"
+    """Names the run; the default run folder is outputs/<name>/<time>_<hash>."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    launch: LaunchSpec = field(default_factory=LaunchSpec)
+    strategy: StrategySpec = field(default_factory=StrategySpec)
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    sweep: SweepSpec = field(default_factory=SweepSpec)
+    overwrite: bool = False
+    """Allow writing into a run folder that already holds results."""
+    tracking: TrackingKind = TrackingKind.tensorboard
+    """Experiment tracker, through Accelerate's trackers: tensorboard (in run_dir/tensorboard)
+    | wandb | mlflow | trackio | none. The spec is logged as hyperparameters."""
+    dry_run: bool = False
+    """Print the resolved spec and the run's plan (batch arithmetic, steps, parameters,
+    per-rank memory under ddp / zero2 / zero3), then stop without training."""
+    resume: Optional[str] = None
+    """auto: continue from the newest complete checkpoint in the run folder (fresh if
+    there is none, and it says so); PATH: continue from that checkpoint; null: start fresh."""
+    run_dir: str = ""
+    """Set by the launcher: the run folder (hydra.run.dir). Not for users to set."""
+
+
+# The group options under conf/ are merged into these nodes; the root schema is
+# what makes an unknown key or a wrong type a compose-time error.
+SCHEMA_NAME = "runner_schema"
+
+
+def to_spec(cfg: Any) -> RunSpec:
+    """A composed (Hydra) config -> a typed, fully resolved RunSpec."""
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, RunSpec), type(obj)
+    return obj
+
+
+def spec_to_yaml(spec: RunSpec) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(spec))
+
+
+def save_spec(spec: RunSpec, path: Path, notes: Sequence[str] = ()) -> None:
+    """Write the frozen spec; `notes` (what the libraries will do with it that the keys do
+    not say) become comments at the top, so a reader sees them and a loader ignores them."""
+    tmp = path.with_suffix(".tmp")
+    header = "".join(f"# {note}\n" for note in notes)
+    tmp.write_text(header + spec_to_yaml(spec))
+    tmp.replace(path)
+
+
+def spec_from_yaml(text: str) -> RunSpec:
+    """Parse a frozen spec, still checked against the schema (a hand-edited typo fails)."""
+    return to_spec(OmegaConf.merge(OmegaConf.structured(RunSpec), OmegaConf.create(text)))
+
+
+def load_spec(path: Path) -> RunSpec:
+    return spec_from_yaml(Path(path).read_text())
+
+
+def spec_dict(spec: RunSpec) -> dict[str, Any]:
+    """Plain JSON-able dict (enums as their values), for results and trackers."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(spec))
+
+
+def flat_spec_dict(spec: RunSpec) -> dict[str, Any]:
+    """{"train.max_steps": 300, ...}: the spec with dotted keys, as overrides name them."""
+
+    def walk(node: dict[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    return walk(spec_dict(spec), "")

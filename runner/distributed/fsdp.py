@@ -1,0 +1,112 @@
+"""strategy=fsdp: PyTorch FSDP2 (`fully_shard`) through Accelerate's FSDP plugin.
+
+Three jobs, all about what Accelerate builds for FSDP2: the plugin from the spec, the
+one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check after
+`prepare()` that FSDP2 really wraps the model as asked (`engagement_problems`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, StrategySpec
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# The transformer layer each FSDP unit wraps (Accelerate's transformer_based_wrap); the
+# root is always wrapped too. A model type missing here would be sharded as one unit:
+# correct, but its whole parameters gathered at once, so it is refused at validation.
+LAYER_CLASSES: dict[str, str] = {"gpt2": "GPT2Block"}
+
+LOW_PRECISION = {PrecisionKind.bf16: "bfloat16", PrecisionKind.fp16: "float16"}
+
+
+def mixed_precision_policy(precision: PrecisionSpec) -> Any:
+    """FSDP2's policy: parameters gathered (and computed) in bf16/fp16, gradients
+    reduce-scattered in fp32 and kept on fp32 sharded master weights. Accelerate's own
+    default reduces in the low dtype too, which rounds every gradient sum to 8 bits of
+    mantissa under bf16. None under fp32 (FSDP2's default: no casting at all)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision.kind not in LOW_PRECISION:
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, LOW_PRECISION[precision.kind]), reduce_dtype=torch.float32)
+
+
+def fsdp_plugin(strategy: StrategySpec, precision: PrecisionSpec, model_type: str) -> Any:
+    """Accelerate's FSDP2 plugin with every field the spec decides set explicitly (left
+    unset, the plugin reads FSDP_* environment variables, which an outer launch may set)."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=strategy.reshard_after_forward,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[LAYER_CLASSES[model_type]],
+        # Checkpoints: each rank writes its own shards (torch.distributed.checkpoint).
+        state_dict_type="SHARDED_STATE_DICT",
+        # Every rank builds the same seeded model, so nothing needs broadcasting from rank 0.
+        cpu_ram_efficient_loading=False,
+        cpu_offload=strategy.offload_params is OffloadDevice.cpu,
+        # model.gradient_checkpointing is transformers' own (runner/components/model.py), as under ddp.
+        activation_checkpointing=False,
+        mixed_precision_policy=mixed_precision_policy(precision),
+    )
+
+
+def engage_on_cpu(accelerator: "Accelerator", plugin: Any) -> None:
+    """Make Accelerate's state FSDP on a CPU, as its own GPU branch does.
+
+    AcceleratorState switches to DistributedType.FSDP only for accelerator process
+    groups (MULTI_GPU, MULTI_XPU, ...), never MULTI_CPU, although FSDP2 trains on CPU
+    with gloo. These are the assignments that branch makes (accelerate/state.py); from
+    here on prepare(), clip_grad_norm_, get_state_dict and save_state/load_state run
+    Accelerate's FSDP2 code, the same as on a GPU. PartialState keeps its own copy of
+    the type, which every AcceleratorState() re-reads, so both are set.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.FSDP:
+        return  # a GPU: Accelerate did it
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def engagement_problems(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec) -> list[str]:
+    """What differs between the FSDP2 wrapping in effect and the spec: FSDP2 engaged in
+    Accelerate, the root and every transformer layer an FSDPModule, the reshard setting
+    and the mixed-precision policy of each layer, CPU offload."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    if not accelerator.is_fsdp2:
+        return [f"expected FSDP2, Accelerate runs {accelerator.state.distributed_type}"]
+    if not isinstance(model, FSDPModule):
+        return [f"expected the model sharded by FSDP2 (fully_shard), got {type(model).__name__}"]
+    problems: list[str] = []
+    # fully_shard swaps each wrapped module's class for a subclass (GPT2Block -> FSDPGPT2Block).
+    layers = [m for m in model.modules() if any(c.__name__ in LAYER_CLASSES.values() for c in type(m).__mro__)]
+    unwrapped = [i for i, m in enumerate(layers) if not isinstance(m, FSDPModule)]
+    if not layers or unwrapped:
+        problems.append(f"transformer layers not each an FSDP unit: {len(layers)} found, unwrapped {unwrapped}")
+    wanted_dtype = getattr(torch, LOW_PRECISION[precision.kind]) if precision.kind in LOW_PRECISION else None
+    for layer in (m for m in layers if isinstance(m, FSDPModule)):
+        group = layer._get_fsdp_state()._fsdp_param_group
+        resharding = group.post_forward_mesh_info is not None  # None: parameters stay gathered after forward
+        if resharding != strategy.reshard_after_forward:
+            problems.append(f"reshard_after_forward is {resharding}, expected {strategy.reshard_after_forward}")
+        policy = group.mp_policy
+        if policy.param_dtype != wanted_dtype or (wanted_dtype is not None and policy.reduce_dtype != torch.float32):
+            problems.append(f"mixed precision policy is {policy}, expected parameters in {wanted_dtype} and "
+                            "gradients reduced in fp32")
+        offloaded = isinstance(group.offload_policy, CPUOffloadPolicy)
+        if offloaded != (strategy.offload_params is OffloadDevice.cpu):
+            problems.append(f"CPU offload is {offloaded}, expected strategy.offload_params={strategy.offload_params.value}")
+        if problems:
+            break  # every layer is wrapped alike: the first tells it
+    return problems

@@ -1,0 +1,174 @@
+"""Run the workers: in this process at world size 1, else spawn them (torch elastic).
+
+`accelerate launch --cpu --num_processes 2` silently starts one process, so we spawn
+with torch's elastic launcher ourselves: c10d rendezvous, spawn start method, and
+`@record` on the entry so a worker's traceback reaches the user. Under torchrun,
+`accelerate launch` or srun the processes already exist: we join (runner/distributed/process_group.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runner.config.errors import UserError
+from runner.config.paths import default_cache_dir
+from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
+from runner.config.spec import LaunchSpec, RunSpec
+
+
+def resolve_nproc(launch: LaunchSpec) -> int:
+    if launch.nproc_per_node != "auto":
+        return int(launch.nproc_per_node)
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def world_size(launch: LaunchSpec) -> int:
+    from runner.distributed.process_group import joined_launch
+
+    joined = joined_launch()
+    return joined.world_size if joined else resolve_nproc(launch) * launch.nnodes
+
+
+# The world size the launcher planned (and validated the batch arithmetic for), handed to
+# its workers: the engagement check compares Accelerate's process count with it.
+PLANNED_WORLD_SIZE_ENV = "RUNNER_PLANNED_WORLD_SIZE"
+
+
+def planned_world_size(launch: LaunchSpec) -> int:
+    """In a worker: the launcher's plan; a follower of an outside launch has only its WORLD_SIZE."""
+    planned = os.environ.get(PLANNED_WORLD_SIZE_ENV)
+    return int(planned) if planned else world_size(launch)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def prepare_environment(local_workers: int, debug: bool = False) -> None:
+    """Settings every worker inherits."""
+    import torch
+
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
+        if torch.cuda.is_available():
+            os.environ["NCCL_DEBUG"] = "INFO"
+
+    # Workers share the cores this process may use (affinity, cgroup quota; see
+    # runner/launch/cpus.py): without this each one starts a thread per core of the machine.
+    from runner.launch.cpus import usable_cpus
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(usable_cpus() // local_workers, 1)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
+    # DeepSpeed JIT-compiles its CPU ops once (~20 s); keep them in our cache.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
+
+
+def _run_in_process(spec: RunSpec) -> None:
+    from runner.distributed.accelerator import is_zero, reset_accelerate_state
+    from runner.train.worker import run
+
+    saved = dict(os.environ)
+    if is_zero(spec.strategy):
+        # DeepSpeed always wants a process group, even of one.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        run(spec)
+    finally:
+        # A sweep runs its jobs in this process: leave no state for the next one.
+        reset_accelerate_state()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@record
+def _worker_entry(spec_path: str) -> None:
+    from runner.config.errors import USAGE_EXIT_CODE, UserError
+    from runner.train.worker import main
+
+    try:
+        main(spec_path)
+    except UserError as err:
+        # A problem the user can fix, found on this rank (rank 0 or not): one line and
+        # exit 2, as in the launcher, instead of @record's traceback.
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
+        sys.stderr.flush()
+        raise SystemExit(USAGE_EXIT_CODE) from None
+
+
+def launch(spec: RunSpec, spec_path: Path) -> None:
+    # The plan is inherited by spawned workers, and only by them: left in this process's
+    # environment, a later launch from it (a test session, a torchrun started by a sweep
+    # job) would hand a stale plan to ranks that never saw this launcher.
+    previous = os.environ.get(PLANNED_WORLD_SIZE_ENV)
+    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))
+    try:
+        _launch(spec, spec_path)
+    finally:
+        if previous is None:
+            os.environ.pop(PLANNED_WORLD_SIZE_ENV, None)
+        else:
+            os.environ[PLANNED_WORLD_SIZE_ENV] = previous
+
+
+def _launch(spec: RunSpec, spec_path: Path) -> None:
+    from runner.distributed.process_group import joined_launch
+    from runner.train.worker import run
+
+    if joined_launch() is not None:  # we are rank 0 of an outside launch
+        prepare_environment(1, spec.launch.debug)
+        run(spec)
+        return
+    nproc = resolve_nproc(spec.launch)
+    prepare_environment(nproc, spec.launch.debug)
+    if nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
+        _run_in_process(spec)
+        return
+    # More than one worker, or one that may need restarting (launch.max_restarts): a
+    # worker in this process could not be restarted after a crash, so it is spawned.
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    multi_node = spec.launch.nnodes > 1
+    endpoint = spec.launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    config = LaunchConfig(
+        min_nodes=spec.launch.nnodes,
+        max_nodes=spec.launch.nnodes,
+        nproc_per_node=nproc,
+        # Every node must name the same run id: derive it from the shared endpoint.
+        run_id=uuid.uuid5(uuid.NAMESPACE_URL, f"runner:{endpoint}").hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rendezvous_configs(spec.launch) if multi_node else {},
+        max_restarts=spec.launch.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.5,
+    )
+    # The launcher's own log of a worker's exit is a traceback of torch's process
+    # bookkeeping, not of the failure: the worker's traceback (@record) or its one-line
+    # UserError is already printed, and start() names the rank and its exit code.
+    import logging
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    if multi_node:
+        check_endpoint(spec.launch, endpoint)
+    try:
+        elastic_launch(config, _worker_entry)(str(spec_path))
+    except RendezvousError as err:
+        raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -1,0 +1,74 @@
+"""The run folder: refuse to clobber results, then freeze the spec into it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from runner.config.errors import UserError
+from runner.config.spec import SPEC_FILENAME, RunSpec, save_spec
+
+# What a run writes. A folder holding any of these holds somebody's results.
+RESULT_NAMES: tuple[str, ...] = (
+    SPEC_FILENAME,
+    "metrics.jsonl",
+    "train_results.json",
+    "eval_results.json",
+    "all_results.json",
+    "loss_curves.png",
+    "model",
+    "checkpoints",
+    "run.log",
+    "tensorboard",
+    ".hydra",
+)
+
+
+def existing_results(run_dir: Path) -> list[str]:
+    return [name for name in RESULT_NAMES if (run_dir / name).exists()]
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool, continuing: bool = False, why: str = "") -> None:
+    """Refuse a folder that already holds results unless overwrite=true; with it,
+    remove only what a run writes (never other files the user keeps there).
+
+    `continuing`: a resume from one of this folder's own checkpoints, which carries
+    its run on and removes nothing. Anything else (a fresh start, resume=auto that
+    found no checkpoint, a checkpoint from another folder) would write over the
+    results, so it is refused like a fresh run; `why` says which it was.
+    """
+    if continuing:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return
+    found = existing_results(run_dir)
+    if found and not overwrite:
+        raise UserError(
+            f"the run folder {run_dir} already holds results ({', '.join(found)}){why}. "
+            "Pick a new folder (hydra.run.dir=PATH) or replace them with overwrite=true."
+        )
+    for name in found:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
+    """Whether resuming from `checkpoint` carries on the run that lives in `run_dir`."""
+    return checkpoint is not None and run_dir.resolve() in checkpoint.resolve().parents
+
+
+def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:
+    """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/."""
+    from runner.distributed.accelerator import spec_notes
+
+    spec_path = run_dir / SPEC_FILENAME
+    save_spec(spec, spec_path, notes=spec_notes(spec))
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(exist_ok=True)
+    if composed is not None:
+        (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(composed))
+    (hydra_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return spec_path

@@ -1,0 +1,125 @@
+"""Model FLOPs utilisation: achieved model FLOPs against the device's peak.
+
+FLOPs per token follow nanoGPT / PaLM: 6 N (forward and backward over N parameters)
+plus 12 L d T for attention (L layers, width d, sequence T). The peak comes from a
+table for known GPUs (an unknown GPU has no peak: MFU is reported as unknown); on a
+CPU it is measured once with a short matmul probe and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from typing import Any, Optional
+
+from runner.config.paths import default_cache_dir
+
+# Dense peak TFLOPS per GPU from NVIDIA's datasheets (sparsity figures halved), by the
+# dtype the matmuls run in: bf16/fp16 on tensor cores with fp32 accumulation, tf32 for
+# fp32 matmuls when TF32 is allowed, fp32 for plain fp32 (torch's default: TF32 off).
+# A dtype a GPU lacks is absent. Patterns are tried in order against
+# torch.cuda.get_device_name(): specific before general, so "L40" never reads as
+# "L4" and an H100 PCIe or NVL never gets the SXM figure. No match: MFU is unknown.
+GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"\bB200\b", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    (r"\bH200 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"\bH200\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bH100 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"\bH100 PCIe", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (r"\bH100 (SXM|80GB HBM3)", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bA100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"\bL40S\b", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL40\b", {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA40\b", {"bf16": 149.7, "fp16": 149.7, "tf32": 74.8, "fp32": 37.4}),
+    (r"RTX A6000", {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7}),
+    (r"RTX 6000 Ada", {"bf16": 364.2, "fp16": 364.2, "tf32": 182.1, "fp32": 91.1}),
+    (r"\bA10G\b", {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0}),
+    (r"V100-SXM", {"fp16": 125.0, "fp32": 15.7}),
+    (r"V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+    (r"RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (r"RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+)
+
+
+def gpu_peak_tflops(name: str, dtype_name: str, tf32: bool) -> Optional[float]:
+    """The table's dense peak for this GPU and training dtype, or None when unknown.
+    dtype_name is fp32, bf16 or fp16; fp32 counts at the TF32 rate only when TF32 is on."""
+    column = "tf32" if dtype_name == "fp32" and tf32 else dtype_name
+    for pattern, peaks in GPU_PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return peaks.get(column)
+    return None
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on a GPU run on TF32 tensor cores (torch's default: no).
+    runner leaves this setting alone, so fp32 runs are full fp32 and counted as such."""
+    import torch
+
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+    return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
+
+
+def model_flops_per_token(config: Any, n_params: int, block_size: int) -> float:
+    layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
+    width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
+    return flops_per_token(n_params, int(layers), int(width), block_size)
+
+
+def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:
+    """Matmul FLOP/s for this dtype on a CPU: the fastest of the matmuls that fit in
+    `seconds` (at least three, the first a warm-up), so a moment of other work on the
+    cores costs one matmul, not the figure. 512 x 512 keeps one matmul short where a
+    dtype has no fast kernel (bf16 without AVX512-BF16: ~0.3 s, against ~4 ms in fp32)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    local = torch.Generator().manual_seed(0)  # the global RNG streams are not touched
+    a = torch.randn(size, size, generator=local).to(dtype)
+    b = torch.randn(size, size, generator=local).to(dtype)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        torch.mm(a, b)  # synchronous on a CPU
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / min(times[1:])
+
+
+def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
+    """Peak FLOP/s of one device for the training dtype (fp32, bf16 or fp16). On a GPU,
+    the table's figure or None (unknown: MFU is then reported as unknown, not guessed
+    from a probe that measures something else). On a CPU, the highest of a matmul probe
+    run now and every earlier one on this machine at this thread count (cached): a probe
+    that shared the cores with other work reads low, and a low peak inflates MFU. Caching
+    the first probe alone kept such a figure for good (measured here: fp32 15.8 GFLOP/s
+    cached under load, 65.6 on the quiet machine, so every later MFU read 4x high)."""
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda":
+        peak = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype_name, tf32_enabled())
+        return None if peak is None else peak * 1e12
+    label = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}"
+    cache = default_cache_dir() / "peak_flops.json"
+    try:
+        known: dict[str, float] = json.loads(cache.read_text()) if cache.exists() else {}
+    except (OSError, ValueError):
+        known = {}  # another rank is writing it, or it is damaged: measure again
+    key = f"{kind}|{label}|{dtype_name}"
+    measured = _probe(dtype_name)
+    if measured > known.get(key, 0.0):
+        known[key] = measured
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)  # atomic: ranks probing at once never leave half a file
+    return known[key]

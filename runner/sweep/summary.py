@@ -1,0 +1,210 @@
+"""Sweeps: each job's outcome, and the comparison table and plot at the end.
+
+Hydra multirun runs every combination, each in its own folder. A job that fails
+(refused config, out of memory, a crash) records why in `job_status.json` and the
+sweep goes on. When the sweep ends (Hydra's `on_multirun_end` callback), or later
+with `runner-report SWEEP_DIR`, the sweep folder gets summary.csv, summary.md and
+loss_curves.png, and the table is printed. The `run` column says what this
+invocation did with each job: new, kept, resumed or re-run (runner/sweep/resume.py).
+Its parity columns (each job's per-step loss and gradient norm against a baseline
+job) come from runner/sweep/parity.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+from runner.sweep.parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
+
+JOB_STATUS = "job_status.json"
+COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
+
+
+def write_job_status(job_dir: Path, status: str, wall_s: float, overrides: list[str], reason: Optional[str] = None) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    record = {"status": status, "wall_s": round(wall_s, 2), "overrides": overrides, "reason": reason}
+    (job_dir / JOB_STATUS).write_text(json.dumps(record, indent=2) + "\n")
+
+
+@dataclass
+class JobRow:
+    job: str
+    overrides: str
+    status: str
+    train_loss: Optional[float] = None
+    eval_loss: Optional[float] = None
+    perplexity: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    peak_memory_mb: Optional[float] = None
+    wall_s: Optional[float] = None
+    reason: Optional[str] = None
+    run: Optional[str] = None  # new | kept | resumed | re-run, as this invocation recorded it
+
+
+def _overrides(job_dir: Path) -> list[str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    import yaml
+
+    return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+
+
+def collect(sweep_dir: Path) -> list[JobRow]:
+    from runner.sweep.resume import read_records
+
+    rows = []
+    records = read_records(sweep_dir)
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (
+        (p / JOB_STATUS).exists() or (p / "all_results.json").exists() or p.name in records)]
+    # In job-list order; folders this invocation did not visit (an earlier sweep's) last.
+    order = {name: int(r.get("num", 0)) for name, r in records.items()}
+    for job_dir in sorted(jobs, key=lambda p: (p.name not in order, order.get(p.name, 0), len(p.name), p.name)):
+        status = json.loads((job_dir / JOB_STATUS).read_text()) if (job_dir / JOB_STATUS).exists() else {}
+        record = records.get(job_dir.name, {})
+        results = json.loads((job_dir / "all_results.json").read_text()) if (job_dir / "all_results.json").exists() else {}
+        rows.append(JobRow(
+            job=job_dir.name,
+            # resume=/overwrite= say how a job was run, not what it is (as its folder name)
+            overrides=" ".join(o for o in status.get("overrides") or _overrides(job_dir) if not o.startswith(("resume=", "overwrite="))),
+            status=record.get("status") or status.get("status", "ok" if results else "unknown"),
+            train_loss=results.get("train_loss"),
+            eval_loss=results.get("eval_loss"),
+            perplexity=results.get("perplexity"),
+            tokens_per_s=results.get("train_tokens_per_second"),
+            peak_memory_mb=results.get("peak_memory_mb"),
+            wall_s=status.get("wall_s"),
+            reason=record.get("reason") or status.get("reason"),
+            run=record.get("run"),
+        ))
+    return rows
+
+
+def _varying(rows: list[JobRow]) -> dict[str, str]:
+    """Label each job by the overrides that differ across the sweep."""
+    sets = {r.job: r.overrides.split() for r in rows}
+    common = set.intersection(*(set(v) for v in sets.values())) if sets else set()
+    return {job: " ".join(o for o in ovr if o not in common) or job for job, ovr in sets.items()}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def _parity_cells(p: JobParity) -> list[str]:
+    verdict = p.parity if p.parity_detail is None or p.parity in ("ok", "baseline") else f"{p.parity}: {p.parity_detail}"
+    return [_cell(p.max_abs_dloss), "-" if p.max_grad_norm_rel_diff is None else f"{p.max_grad_norm_rel_diff:.3%}", verdict]
+
+
+def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> str:
+    labels = _varying(rows)
+    parity = parity or {}
+    header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
+              "max |Δloss|", "max grad-norm rel diff", "parity"]
+    body = [
+        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.run), _cell(r.train_loss),
+         _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
+         *_parity_cells(parity.get(r.job, JobParity()))]
+        for r in rows
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def plot(rows: list[JobRow], sweep_dir: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from runner.report.plots import read_metrics
+
+    labels = _varying(rows)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for r in rows:
+        points = [(m["step"], m["loss"]) for m in read_metrics(sweep_dir / r.job / "metrics.jsonl") if "loss" in m]
+        if points:
+            ax.plot(*zip(*points), label=labels[r.job], linewidth=1.3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("train loss")
+    ax.set_title(f"sweep {sweep_dir.name}")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def summarize(sweep_dir: Path, parity_baseline: Optional[str] = None) -> list[JobRow]:
+    """parity_baseline: as sweep.parity_baseline; None reads it from the jobs' frozen specs."""
+    rows = collect(sweep_dir)
+    jobs = [Job(r.job, r.overrides, r.status == "ok") for r in rows]
+    parity, notes = sweep_parity(sweep_dir, jobs, parity_baseline if parity_baseline is not None else baseline_setting(sweep_dir, jobs))
+    with (sweep_dir / "summary.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS + PARITY_COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), **asdict(parity.get(r.job, JobParity()))})
+    text = table(rows, parity) + "".join(f"\n\n{note}" for note in notes)
+    (sweep_dir / "summary.md").write_text(f"# Sweep {sweep_dir.name}\n\n{text}\n\n![loss curves](loss_curves.png)\n")
+    plot(rows, sweep_dir, sweep_dir / "loss_curves.png")
+    print(f"\nrunner: sweep summary ({sweep_dir})\n{text}")
+    return rows
+
+
+class SweepSummary(Callback):
+    """Hydra callback: before the first job, guard the sweep folder; after the last
+    job, write and print the sweep's summary."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from runner.config.errors import UserError, exit_with
+        from runner.train.signals import hold_signals
+        from runner.sweep.resume import begin_sweep
+
+        try:
+            begin_sweep(Path(config.hydra.sweep.dir), config.get("resume"), bool(config.get("overwrite")))
+        except UserError as err:
+            exit_with(err)  # SystemExit: Hydra turns a callback's Exception into a warning and runs the jobs
+        if str(config.hydra.launcher.get("_target_", "")).endswith("BasicLauncher"):
+            # Local jobs run in this process: a signal between jobs stops the sweep
+            # cleanly instead of killing it mid-setup. (Slurm jobs get their own.)
+            hold_signals()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            rows = summarize(sweep_dir)
+            failed = [r.job for r in rows if r.status != "ok"]
+            if failed:
+                sys.stderr.write(f"runner: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}\n")
+                raise SystemExit(1)
+
+
+def report_main(argv: Optional[list[str]] = None) -> None:
+    """`runner-report SWEEP_DIR`: rebuild a sweep's summary from its job folders."""
+    parser = argparse.ArgumentParser(prog="runner-report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("--parity-baseline", default=None,
+                        help="the job to compare the others with, as sweep.parity_baseline (default: what the sweep ran with)")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        sys.stderr.write(f"runner-report: error: no such folder '{args.sweep_dir}'. Give a sweep folder (hydra.sweep.dir).\n")
+        raise SystemExit(2)
+    rows = summarize(args.sweep_dir, args.parity_baseline)
+    if not rows:
+        sys.stderr.write(f"runner-report: error: '{args.sweep_dir}' holds no job folders.\n")
+        raise SystemExit(2)

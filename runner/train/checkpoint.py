@@ -1,0 +1,104 @@
+"""Resumable checkpoints, written atomically: a folder is complete or it is not there.
+
+Accelerate's `save_state` writes model, optimizer, scheduler and RNG states (under
+DDP and DeepSpeed alike) into a temporary folder; rank 0 then adds a completion
+marker and renames it into place. Old checkpoints are pruned only after the new
+one is complete (Accelerate's own `total_limit` deletes first).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+COMPLETE_MARKER = "COMPLETE.json"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS_DIRNAME / f"step_{step}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first. A folder without the marker is ignored."""
+    root = run_dir / CHECKPOINTS_DIRNAME
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE_MARKER).exists() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    accelerator: "Accelerator",
+    run_dir: Path,
+    step: int,
+    keep: int,
+    extra: Optional[dict[str, Any]] = None,
+    spec_yaml: str = "",
+) -> Path:
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f".tmp_{final.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every rank takes part (DeepSpeed shards)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if spec_yaml:
+            (tmp / "run_spec.yaml").write_text(spec_yaml)  # what a resume is checked against
+        # The marker is written last: a folder without it is never loaded.
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The loop state saved with a checkpoint; a damaged marker is a clear error."""
+    from runner.config.errors import UserError
+
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
+            raise ValueError("no step in it")
+    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
+        older = [p.name for p in complete_checkpoints(path.parent) if p != path]
+        hint = f"resume=PATH with an older one ({', '.join(older[-2:])})" if older else "resume=PATH with another checkpoint"
+        raise UserError(
+            f"checkpoint {path}: its {COMPLETE_MARKER} is damaged ({type(err).__name__}: {err}). "
+            f"Resume from an older checkpoint ({hint}) or start a new run folder."
+        ) from None
+    return marker
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / COMPLETE_MARKER).is_file()
+
+
+def load_checkpoint(accelerator: "Accelerator", path: Path) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG states; returns the loop state saved with them."""
+    from runner.config.errors import UserError
+
+    try:
+        meta = read_marker(path)
+        accelerator.load_state(str(path))
+    except Exception as err:  # a truncated or tampered file: never continue half-restored
+        raise UserError(
+            f"checkpoint {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+            f"Resume from an older one (resume=PATH) or start a new run."
+        ) from None
+    return meta

@@ -1,0 +1,480 @@
+"""The generic training loop: accumulate, backward, clip, step, log, evaluate, checkpoint.
+
+Objects come in already built and prepared (see runner/train/worker.py); this module
+only runs them. `fit` reads top to bottom; the detail lives in `train_step`,
+`evaluate` and `_log_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from runner.distributed.accelerator import backward, global_grad_norm, innermost_optimizer, optimizer_step, release_gathered_parameters
+from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
+from runner.train.plan import RunPlan
+from runner.train.signals import StopRequest, Stopped
+from runner.config.spec import PrecisionSpec
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+log = logging.getLogger("runner")
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    """What the progress bar shows beside its rate and ETA."""
+    shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if record.get("mfu") is not None:
+        shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+    shown["mem"] = f"{max(record['peak_memory_mb']):,.0f}MB"
+    return shown
+
+
+class NonFiniteLoss(RuntimeError):
+    """A NaN or inf loss or gradient norm: the run stops before the optimizer step (under
+    fp16: after precision.max_consecutive_skipped_steps overflows in a row)."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    # The data position: samples of this epoch's global order already trained on. In
+    # samples, not per-rank batches, so a resume in another layout at the same global
+    # batch continues at the same sample (Accelerate hands rank r batches r, r+N, ...).
+    samples_in_epoch: int = 0
+    start_step: int = 0  # the step this process started from (> 0 after a resume)
+    loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
+    loss_count: int = 0
+    total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
+    total_loss_steps: int = 0
+    skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered
+    consecutive_skips: int = 0  # skipped steps since the last step taken (precision.max_consecutive_skipped_steps)
+    first_step_time: Optional[float] = None  # wall clock (time.time()) when step 1 finished, for benchmarks
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        accelerator: "Accelerator",
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        train_loader: "DataLoader",
+        eval_loader: "DataLoader",
+        plan: RunPlan,
+        run_dir: Path,
+        *,
+        max_grad_norm: float,
+        log_every: int,
+        eval_every: int,
+        save_every: int,
+        keep_checkpoints: int,
+        sampler: Any = None,
+        spec_yaml: str = "",
+        flops_per_token: float = 0.0,
+        peak_flops: float = 0.0,
+        max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.eval_loader = eval_loader
+        self.plan = plan
+        self.run_dir = run_dir
+        self.max_grad_norm = max_grad_norm
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps  # fp16 overflows in a row that stop the run
+        self.log_every, self.eval_every, self.save_every = log_every, eval_every, save_every
+        self.keep_checkpoints = keep_checkpoints
+        self.state = LoopState()
+        self.metrics = MetricsWriter(
+            run_dir / "metrics.jsonl",
+            accelerator.is_main_process,
+            # Trackers start after a resume is known (worker.tracker_kwargs); none: log() does nothing.
+            tracker_log=lambda values, step: accelerator.log(values, step=step),
+        )
+        self.grad_norm: Optional[torch.Tensor] = None
+        # The non-finite verdict of the last step, still on the device (see _check_finite).
+        self.unread_verdict: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+        self.sampler = sampler
+        self.spec_yaml = spec_yaml  # saved into each checkpoint, to check a resume against
+        self.stop = StopRequest()
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops  # all devices together
+        self.last_checkpoint: Optional[Path] = None
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """Train to plan.total_steps, evaluate at the end; returns (train, eval) results."""
+        plan, s = self.plan, self.state
+        progress = Progress(plan.total_steps, self.accelerator.is_main_process, initial=s.step)
+        started = window_start = time.perf_counter()
+        window_steps = 0
+        self.model.train()
+        self.stop.install()
+        try:
+            while s.step < plan.total_steps:
+                for batch in self._epoch_batches():
+                    s.samples_in_epoch += self.samples_per_batch
+                    if not self.train_step(batch):
+                        continue
+                    window_steps += 1
+                    if (self.log_every and s.step % self.log_every == 0) or (self.eval_every and s.step % self.eval_every == 0):
+                        self._read_verdict()  # before any figure of this step is reported
+                    if self.log_every and s.step % self.log_every == 0:
+                        record = self._log_step(window_steps, time.perf_counter() - window_start)
+                        progress.update(0, **_postfix(record))
+                        window_start, window_steps = time.perf_counter(), 0
+                    progress.update(1)
+                    if self.eval_every and s.step % self.eval_every == 0 and s.step < plan.total_steps:
+                        self._evaluate_and_log(progress)
+                    if self.save_every and s.step % self.save_every == 0:
+                        self.save_checkpoint()
+                    self._stop_if_signalled()
+                    if s.step >= plan.total_steps:
+                        break
+                else:
+                    s.epoch, s.samples_in_epoch = s.epoch + 1, 0
+        finally:
+            self.stop.restore()
+            progress.close()
+        runtime = time.perf_counter() - started
+        self._read_verdict()
+        eval_results = self._evaluate_and_log(None)
+        return self._train_results(runtime), eval_results
+
+    def _epoch_batches(self) -> Any:
+        """This epoch's batches from the current data position (exact after a resume)."""
+        loader = self.train_loader
+        done = self.batches_done_in_epoch()
+        if done:
+            loader = self.accelerator.skip_first_batches(self.train_loader, done)
+        # Accelerate's loaders set their sampler's epoch from their own pass count at
+        # each __iter__; a resumed (or skipping) loader must be told the real epoch.
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(self.state.epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.state.epoch)
+        return loader
+
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples of the global order one micro-batch round takes, over all ranks."""
+        return self.plan.world_size * self.plan.per_device_batch_size
+
+    def batches_done_in_epoch(self) -> int:
+        """This rank's micro-batches already consumed in the epoch, from the sample position."""
+        if self.state.samples_in_epoch >= self.plan.train_blocks:
+            return len(self.train_loader)  # the epoch is over; the loop moves to the next
+        return self.state.samples_in_epoch // self.samples_per_batch
+
+    def _stop_if_signalled(self) -> None:
+        signum = self.stop.agreed(self.accelerator)
+        if signum is None:
+            return
+        path = self.save_checkpoint() if self.last_checkpoint != self._checkpoint_path() else self.last_checkpoint
+        raise Stopped(signum, self.state.step, str(path))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path:
+        return checkpoint_dir(self.run_dir, self.state.step)
+
+    def save_checkpoint(self) -> Path:
+        self._read_verdict()  # never save weights a non-finite step touched
+        s, plan = self.state, self.plan
+        # Each rank's own running loss sum, so a resume inside a logging window closes
+        # that window with the very same numbers (a mean over ranks would round).
+        pending = torch.zeros(1, device=self.accelerator.device) if s.loss_sum is None else s.loss_sum.reshape(1)
+        pending_sums = [float(v) for v in self.accelerator.gather(pending.float()).cpu()]
+        meta = {
+            "epoch": s.epoch,
+            "samples_in_epoch": s.samples_in_epoch,
+            "world_size": self.accelerator.num_processes,
+            "grad_accum_steps": plan.grad_accum_steps,
+            "total_loss": s.total_loss,
+            "total_loss_steps": s.total_loss_steps,
+            "pending_loss_sums": pending_sums,
+            "pending_loss_count": s.loss_count,
+            "skipped_steps": s.skipped_steps,
+        }
+        self.last_checkpoint = save_checkpoint(
+            self.accelerator, self.run_dir, s.step, self.keep_checkpoints, meta, spec_yaml=self.spec_yaml
+        )
+        return self.last_checkpoint
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint's loop state (model and optimizer are already loaded)."""
+        s, plan = self.state, self.plan
+        s.step, s.epoch = int(meta["step"]), int(meta["epoch"])
+        s.start_step = s.step
+        if "samples_in_epoch" in meta:
+            s.samples_in_epoch = int(meta["samples_in_epoch"])
+        else:  # checkpoints before the position was kept in samples: same layout only
+            s.samples_in_epoch = int(meta["batches_in_epoch"]) * self.samples_per_batch
+        s.total_loss, s.total_loss_steps = float(meta["total_loss"]), int(meta["total_loss_steps"])
+        s.skipped_steps = int(meta.get("skipped_steps", 0))
+        count = int(meta.get("pending_loss_count", 0))
+        if count:
+            sums = meta.get("pending_loss_sums") or [float(meta["pending_loss_sum"])]
+            same_layout = (
+                len(sums) == plan.world_size
+                and int(meta.get("grad_accum_steps", plan.grad_accum_steps)) == plan.grad_accum_steps
+            )
+            if same_layout:  # this rank's own sum: the window closes bit-exactly
+                s.loss_count = count
+                s.loss_sum = torch.tensor(sums[self.accelerator.process_index], device=self.accelerator.device)
+            else:  # another layout: the window's mean micro-batch loss, over this layout's count
+                old_accum = int(meta.get("grad_accum_steps", 1))
+                s.loss_count = count // old_accum * plan.grad_accum_steps
+                mean = sum(sums) / len(sums) / count
+                s.loss_sum = torch.tensor(mean * s.loss_count, device=self.accelerator.device)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch: dict[str, torch.Tensor]) -> bool:
+        """One micro-batch; returns True when it completed an optimizer step (taken or,
+        under fp16, skipped on an overflow)."""
+        acc, s = self.accelerator, self.state
+        with acc.accumulate(self.model):
+            loss = self.model(**batch).loss
+            backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
+            if acc.sync_gradients:
+                self._check_finite(loss)
+                if self._optimizer_step():
+                    # Stepped here, once per optimizer step, never by Accelerate per process.
+                    self.scheduler.step()
+                    s.consecutive_skips = 0
+                else:
+                    self._count_skip()
+                self.optimizer.zero_grad(set_to_none=True)
+        detached = loss.detach().float()
+        s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
+        s.loss_count += 1
+        if not acc.sync_gradients:
+            return False
+        s.step += 1
+        if s.first_step_time is None:
+            s.first_step_time = time.time()
+        return True
+
+    def _optimizer_step(self) -> bool:
+        """Step the optimizer; False when the step was skipped (an fp16 overflow)."""
+        acc = self.accelerator
+        scaler = getattr(acc, "scaler", None)
+        scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        optimizer_step(acc, self.optimizer)
+        if acc.optimizer_step_was_skipped:
+            return False
+        # With a fused AdamW, GradScaler.step always calls optimizer.step() (the kernel
+        # skips the update itself on found_inf), so Accelerate's flag stays False. The
+        # sign of a skip is then the scale backing off (update() halves it on found_inf).
+        return scale_before is None or scaler.get_scale() >= scale_before
+
+    def _count_skip(self) -> None:
+        s = self.state
+        s.skipped_steps += 1
+        s.consecutive_skips += 1
+        if s.consecutive_skips >= self.max_consecutive_skipped_steps:
+            raise NonFiniteLoss(
+                f"{s.consecutive_skips} optimizer steps in a row were skipped on fp16 overflows (steps "
+                f"{s.step + 2 - s.consecutive_skips}-{s.step + 1}, loss scale now {self._loss_scale()}): the gradients "
+                f"stay non-finite at any scale; {self._last_good()}. Lower optim.lr, raise schedule.warmup_steps, use "
+                "precision=bf16, or raise precision.max_consecutive_skipped_steps."
+            )
+
+    def _last_good(self) -> str:
+        last = self.last_checkpoint or latest_checkpoint(self.run_dir)
+        return f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop before a NaN/inf loss or global gradient norm reaches the weights.
+
+        The norm is computed (and clipped when optim.max_grad_norm > 0) even with clipping
+        off; it is global, so every rank reaches the same verdict. Under fp16 a non-finite
+        gradient is an overflow: the loss scaler skips the step (counted in
+        _optimizer_step), which is expected, not fatal.
+
+        Reading the verdict on the host would make it wait for the device every step. An
+        optimizer that honours `found_inf` (torch's fused AdamW: GradScaler's protocol)
+        is handed the verdict on the device instead and skips the whole update itself,
+        moments included; the host reads it one step later (or before anything is logged,
+        evaluated or saved), while the device is already busy with the next step, and
+        stops the run there. Other optimizers (foreach AdamW, DeepSpeed's) are checked on
+        the host before their step.
+        """
+        self._read_verdict()
+        self.grad_norm = global_grad_norm(self.accelerator, self.model, self.max_grad_norm)
+        if self.accelerator.mixed_precision == "fp16":
+            return
+        checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
+        verdict = (self.state.step + 1, checks, ~torch.isfinite(checks).all())
+        inner = self._found_inf_optimizer()
+        if inner is None:
+            self.unread_verdict = verdict
+            self._read_verdict()
+            return
+        inner.found_inf = verdict[2].float()
+        self.unread_verdict = verdict
+
+    def _found_inf_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer under Accelerate's wrapper if it skips its own update on a
+        device-side `found_inf` flag; None under DeepSpeed (its engine steps its own)."""
+        if getattr(self.accelerator, "deepspeed_engine_wrapped", None) is not None:
+            return None
+        inner = innermost_optimizer(self.optimizer)
+        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+
+    def _read_verdict(self) -> None:
+        """Raise if the last step's loss or gradient norm was non-finite (a host sync)."""
+        if self.unread_verdict is None:
+            return
+        step, checks, bad = self.unread_verdict
+        self.unread_verdict = None
+        inner = self._found_inf_optimizer()
+        if inner is not None:
+            inner.found_inf = None  # the flag belongs to that one step
+        if not bool(bad):
+            return
+        loss, norm = (float(v) for v in checks.cpu())
+        skipped = "its update was skipped and the run stopped" if inner is not None else "stopped before the optimizer step"
+        raise NonFiniteLoss(
+            f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {norm}); "
+            f"{skipped}; {self._last_good()}. Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
+        )
+
+    def _close_loss_window(self, window_steps: int) -> float:
+        """Mean loss since the last log, averaged over ranks, added to the run's total."""
+        s = self.state
+        assert s.loss_sum is not None
+        mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
+        s.total_loss += mean * window_steps
+        s.total_loss_steps += window_steps
+        s.loss_sum, s.loss_count = None, 0
+        return mean
+
+    def _log_step(self, window_steps: int, elapsed: float) -> dict[str, Any]:
+        """One metrics line: the window's loss and rates (read on the host only here and
+        in the per-step finite check). `window_steps` counts the steps this process ran
+        in the window (for the rates); after a resume inside a window the loss window
+        also holds the steps from before the checkpoint."""
+        s, plan = self.state, self.plan
+        mean = self._close_loss_window(s.step - s.total_loss_steps)
+        rate = window_steps / elapsed if elapsed > 0 else float("nan")
+        tokens_per_s = rate * plan.tokens_per_step
+        device = self.accelerator.device
+        memory = self.accelerator.gather(torch.tensor([[window_peak_memory_mb(device), current_memory_mb(device)]], device=device))
+        record = {
+            "step": s.step,
+            "epoch": round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
+            "loss": mean,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": rate * plan.global_batch_size,
+            "mfu": self.mfu(tokens_per_s),
+            "peak_memory_mb": [round(float(v), 1) for v in memory[:, 0].cpu()],  # one per rank, this window (GPU)
+            "memory_mb": [round(float(v), 1) for v in memory[:, 1].cpu()],  # held now, one per rank
+        }
+        scale = self._loss_scale()
+        if scale is not None:
+            record.update(loss_scale=scale, skipped_steps=s.skipped_steps)
+        self.metrics.write(record)
+        return record
+
+    def mfu(self, tokens_per_s: float) -> Optional[float]:
+        if not self.peak_flops or not tokens_per_s == tokens_per_s:  # unknown peak, or NaN rate
+            return None
+        return tokens_per_s * self.flops_per_token / self.peak_flops
+
+    def _loss_scale(self) -> Optional[float]:
+        """fp16's dynamic loss scale (Accelerate's GradScaler or DeepSpeed's), else None."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+        engine_optimizer = getattr(self.model, "optimizer", None)
+        scale = getattr(engine_optimizer, "cur_scale", None) if self.accelerator.mixed_precision == "fp16" else None
+        return float(scale) if scale is not None else None
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """eval_loss, perplexity and next-token accuracy over the validation blocks,
+        gathered across ranks (gather_for_metrics drops the padding duplicates)."""
+        acc = self.accelerator
+        self.model.eval()
+        losses, correct = [], []
+        started = time.perf_counter()
+        for batch in self.eval_loader:
+            logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+            if logits.dtype != torch.float32:  # bf16/fp16 logits: reduce in fp32
+                logits = logits.float()
+            labels = batch["labels"][:, 1:]
+            # Cross-entropy as logsumexp - picked logit: one pass fewer over the
+            # vocabulary than F.cross_entropy on the reshaped copy.
+            token_loss = torch.logsumexp(logits, dim=-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            per_sample_loss = token_loss.mean(dim=1)  # every block has the same length
+            per_sample_acc = (logits.argmax(-1) == labels).float().mean(dim=1)
+            losses.append(acc.gather_for_metrics(per_sample_loss))
+            correct.append(acc.gather_for_metrics(per_sample_acc))
+        release_gathered_parameters(self.model)  # ZeRO-3: nothing left in flight from the last batch
+        self.model.train()
+        if not losses:
+            return {}
+        eval_loss = torch.cat(losses).mean().item()
+        samples = sum(len(x) for x in losses)
+        runtime = time.perf_counter() - started
+        return {
+            "eval_loss": eval_loss,
+            "perplexity": perplexity(eval_loss),
+            "eval_accuracy": torch.cat(correct).mean().item(),
+            "eval_samples": samples,
+            "eval_runtime": round(runtime, 3),
+            "eval_samples_per_second": round(samples / runtime, 3) if runtime > 0 else None,
+        }
+
+    def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
+        results = self.evaluate()
+        if results:
+            self.state.last_eval = results
+            self.metrics.write({"step": self.state.step, **{k: results[k] for k in ("eval_loss", "perplexity", "eval_accuracy")}})
+            line = f"step {self.state.step}: eval_loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}"
+            if progress is not None:
+                progress.write(line)
+            else:
+                log.info(line)
+        return results
+
+    def _train_results(self, runtime: float) -> dict[str, Any]:
+        s, plan = self.state, self.plan
+        if s.loss_count:  # steps since the last log
+            self._close_loss_window(s.step - s.total_loss_steps)
+        train_loss = s.total_loss / s.total_loss_steps if s.total_loss_steps else math.nan
+        samples = s.step * plan.global_batch_size
+        # Rates count only the steps this process ran, over the time it ran them: after
+        # a resume, the steps before the checkpoint took time this process never saw.
+        steps_run = s.step - s.start_step
+        samples_run = steps_run * plan.global_batch_size
+        return {
+            "epoch": round(s.step / max(plan.steps_per_epoch, 1), 4),
+            "train_loss": train_loss,
+            "train_runtime": round(runtime, 3),
+            "train_samples": samples,
+            "train_steps": s.step,
+            "train_tokens": samples * plan.block_size,
+            "resumed_from_step": s.start_step,
+            "train_samples_per_second": round(samples_run / runtime, 3),
+            "train_steps_per_second": round(steps_run / runtime, 3),
+            "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1),
+            "train_mfu": self.mfu(samples_run * plan.block_size / runtime),
+            "first_step_time": s.first_step_time,
+        }
