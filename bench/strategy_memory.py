@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.train.plan import COMPARED_STRATEGIES
+from runner.report.memory_estimate import COMPARED_STRATEGIES
 
 EXTRA: list[str] = []  # set from the command line
 TENSOR_PEAK_HOOK = Path(__file__).parent / "tensor_peak"  # its sitecustomize.py profiles one step per rank
@@ -57,7 +57,7 @@ RUN = [
 def estimate_mb(run_dir: Path) -> float:
     """The dry-run plan's per-rank estimate for the run's frozen spec."""
     from runner.launch.dry_run import model_shape
-    from runner.train.plan import estimate_memory
+    from runner.report.memory_estimate import estimate_memory
     from runner.config.spec import load_spec
 
     spec = load_spec(run_dir / "run_spec.yaml")

@@ -4,16 +4,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.distributed.accelerator import (
-    EngagementError,
-    build_accelerator,
-    check_engaged,
-    check_in_sync,
-    expected_optimizer,
-    global_grad_norm,
-    reset_accelerate_state,
-    skip_output_upcast,
-)
+from runner.distributed.accelerator import build_accelerator, reset_accelerate_state, skip_output_upcast
+from runner.distributed.engagement import EngagementError, check_engaged, check_in_sync
+from runner.distributed.strategies import build_strategy
 from runner.config.spec import ModelSpec, OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 SUPPORTED_HERE = [PrecisionKind.fp32, PrecisionKind.bf16] + ([PrecisionKind.fp16] if torch.cuda.is_available() else [])
@@ -29,7 +22,7 @@ def _fresh_state():
 @pytest.mark.parametrize("precision", SUPPORTED_HERE, ids=lambda p: p.value)
 def test_requested_dtype_is_in_effect_inside_forward(precision):
     """A matmul inside the forward runs in the dtype the spec asked for."""
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=precision), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec(kind=precision)), grad_accum_steps=1, max_grad_norm=1.0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100))
     seen = []
     model.transformer.h[0].attn.c_attn.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
@@ -43,7 +36,7 @@ def test_requested_dtype_is_in_effect_inside_forward(precision):
 
 
 def test_bf16_keeps_autocast_but_not_the_fp32_copy_of_the_logits():
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=PrecisionKind.bf16), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec(kind=PrecisionKind.bf16)), grad_accum_steps=1, max_grad_norm=1.0)
     model = accelerator.prepare(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100)))
     ids = torch.randint(0, 100, (2, 8))
     model.eval()  # no dropout: the two losses must match
@@ -58,7 +51,7 @@ def test_bf16_keeps_autocast_but_not_the_fp32_copy_of_the_logits():
 
 
 def test_output_upcast_is_left_alone_in_fp32():
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
     model = accelerator.prepare(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100)))
     assert skip_output_upcast(accelerator, model) is False
 
@@ -69,7 +62,7 @@ def prepared_linear(accelerator, fused=True):
 
 
 def test_engagement_check_compares_with_the_launchers_plan():
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
     model, optimizer = prepared_linear(accelerator)
     spec = RunSpec()
     assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (fused)"
@@ -88,7 +81,7 @@ def test_engagement_check_compares_with_the_launchers_plan():
 def test_an_outer_accelerate_launch_overriding_accumulation_is_caught(monkeypatch):
     """Accelerate lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS win over the value runner passes."""
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
     assert accelerator.gradient_accumulation_steps == 4  # the library behaviour the check guards against
     model, optimizer = prepared_linear(accelerator)
     with pytest.raises(EngagementError, match="gradient accumulation is 4 steps, expected 1"):
@@ -97,9 +90,9 @@ def test_an_outer_accelerate_launch_overriding_accumulation_is_caught(monkeypatc
 
 def test_deepspeed_swaps_the_optimizer_under_offload():
     zero2 = StrategySpec(kind=StrategyKind.zero2)
-    assert expected_optimizer(zero2, fused=True) == "AdamW (fused)"
+    assert build_strategy(zero2, PrecisionSpec()).expected_optimizer(fused=True) == "AdamW (fused)"
     zero2.offload_optimizer = OffloadDevice.cpu
-    assert expected_optimizer(zero2, fused=True) == "DeepSpeedCPUAdam"
+    assert build_strategy(zero2, PrecisionSpec()).expected_optimizer(fused=True) == "DeepSpeedCPUAdam"
 
 
 def test_rank_sync_check():
@@ -119,7 +112,7 @@ def test_unwrap_leaves_torch_compile_over_ddp_intact():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+        accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
         bare = torch.nn.Linear(2, 2)
         compiled = torch.compile(DistributedDataParallel(bare))  # what prepare() builds under ddp + compile
         assert unwrap(accelerator, compiled) is bare
@@ -143,7 +136,8 @@ def _engine_config(strategy, precision, max_grad_norm, monkeypatch, world_size=8
     DeepSpeed's own parser with the world size monkeypatched."""
     import deepspeed.runtime.config as ds_config
 
-    from runner.distributed.accelerator import MIXED_PRECISION, deepspeed_config, deepspeed_plugin
+    from runner.distributed.deepspeed import deepspeed_config, deepspeed_plugin
+    from runner.distributed.strategy import MIXED_PRECISION
 
     plugin = deepspeed_plugin(deepspeed_config(strategy, precision, accum, max_grad_norm, per_device, world_size, hidden_size))
     plugin.set_mixed_precision(MIXED_PRECISION[precision.kind])
@@ -232,7 +226,7 @@ def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_c
     `tensor.device == "cpu"` check is never true); runner points it at the working one."""
     from types import SimpleNamespace
 
-    from runner.distributed.accelerator import share_zero3_fp32_master
+    from runner.distributed.deepspeed import share_zero3_fp32_master
 
     working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
     master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
@@ -261,7 +255,7 @@ def test_grad_norm_never_copies_a_whole_gradient_to_float64():
     memory peak (295 MB for GPT-2's embedding): at most one chunk is cast at a time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runner.distributed.accelerator import NORM_CHUNK_ELEMENTS, grad_norm
+    from runner.distributed.grad_norm import NORM_CHUNK_ELEMENTS, grad_norm
 
     g = torch.randn(3 * NORM_CHUNK_ELEMENTS + 5, generator=torch.Generator().manual_seed(0))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -277,8 +271,8 @@ def test_grad_norm_is_exact_on_a_large_cpu_gradient(max_grad_norm):
     embedding gradient read 3.6e-5 low, which made fsdp's norm over two half shards
     disagree with one process's). The logged norm, and the one clipping divides by, is
     the norm of the gradient held: float64 accumulation, to 1e-12."""
-    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.ddp), PrecisionSpec(kind=PrecisionKind.fp32),
-                                    grad_accum_steps=1, max_grad_norm=max_grad_norm)
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.ddp), PrecisionSpec(kind=PrecisionKind.fp32))
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=max_grad_norm)
     model = torch.nn.Linear(1000, 4000)  # 4M weights, as big as a small model's embedding
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
@@ -286,7 +280,7 @@ def test_grad_norm_is_exact_on_a_large_cpu_gradient(max_grad_norm):
     grads = [p.grad.clone() for p in model.parameters()]
     exact = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))
     assert abs(float(torch.nn.utils.get_total_norm(grads)) / float(exact) - 1) > 1e-5  # the library's error, here
-    norm = global_grad_norm(accelerator, model, max_grad_norm)
+    norm = strategy.grad_norm(accelerator, model, max_grad_norm)
     assert float(norm) == pytest.approx(float(exact), rel=1e-12)
     scale = min(1.0, max_grad_norm / (float(exact) + 1e-6)) if max_grad_norm else 1.0
     for p, g in zip(model.parameters(), grads):
@@ -307,8 +301,6 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     of their own, and its epilogue reallocates the partition and moves them in. Two
     windows of two micro-batches give the gradient norm plain torch computes for each
     window, so nothing stale, unmoved or half-zeroed survives the release."""
-    from runner.distributed.accelerator import backward, optimizer_step
-
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     reference = _micro_gpt2()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -320,7 +312,8 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
-    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), grad_accum_steps=2,
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=2,
                                     max_grad_norm=0.0, per_device_batch_size=2, hidden_size=32)
     model = _micro_gpt2()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -337,14 +330,14 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     for ids in batches:
         writes.append([])
         with accelerator.accumulate(model):
-            backward(accelerator, model(input_ids=ids, labels=ids).loss)
+            strategy.backward(accelerator, model(input_ids=ids, labels=ids).loss)
             held.append(flat.untyped_storage().nbytes())
             # what DeepSpeed's step reads: views of the partition, no staged tensor kept alive
             outside.append(sum(g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
                                for grads in model.optimizer.averaged_gradients.values() for g in grads))
             if accelerator.sync_gradients:
-                norms.append(float(global_grad_norm(accelerator, model, 0.0)))
-                optimizer_step(accelerator, optimizer)
+                norms.append(float(strategy.grad_norm(accelerator, model, 0.0)))
+                strategy.optimizer_step(accelerator, optimizer)
                 held.append(flat.untyped_storage().nbytes())
     size = flat.numel() * flat.element_size()
     # allocated through each window, freed after each step

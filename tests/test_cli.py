@@ -141,7 +141,7 @@ def _failure(exitcode, tmp_path):
 
 
 def test_a_worker_killed_by_sigabrt_is_explained_as_a_possible_nccl_timeout(tmp_path):
-    from runner.cli import failure_reason
+    from runner.launch.start import failure_reason
 
     reason = failure_reason(_failure(-6, tmp_path), timeout_minutes=45)
     assert reason.startswith("Signal 6 (SIGABRT)")
@@ -151,7 +151,7 @@ def test_a_worker_killed_by_sigabrt_is_explained_as_a_possible_nccl_timeout(tmp_
 
 
 def test_other_failures_keep_their_own_reason(tmp_path):
-    from runner.cli import failure_reason
+    from runner.launch.start import failure_reason
 
     reason = failure_reason(_failure(-9, tmp_path), timeout_minutes=30)
     assert reason.startswith("Signal 9 (SIGKILL)") and "NCCL" not in reason

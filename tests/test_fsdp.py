@@ -11,7 +11,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.distributed.accelerator import EngagementError, build_accelerator, check_engaged, global_grad_norm
+from runner.distributed.accelerator import build_accelerator
+from runner.distributed.engagement import EngagementError, check_engaged
+from runner.distributed.strategies import build_strategy
 from runner.config.spec import ModelSpec, OffloadDevice, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 
 
@@ -22,7 +24,7 @@ def fsdp_run(precision=PrecisionKind.fp32, reshard=True) -> RunSpec:
 
 def prepared(spec: RunSpec):
     torch.manual_seed(0)
-    accelerator = build_accelerator(spec.strategy, spec.precision, grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(spec.strategy, spec.precision), grad_accum_steps=1, max_grad_norm=1.0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=100))
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -51,7 +53,7 @@ def test_fsdp2_is_engaged_as_the_spec_says(one_rank_group, precision, reshard):
 
 
 def test_ddp_model_is_not_taken_for_fsdp(one_rank_group):
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
     model, optimizer = accelerator.prepare(torch.nn.Linear(2, 2), torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
     with pytest.raises(EngagementError, match="expected FSDP2"):
         check_engaged(accelerator, model, optimizer, fsdp_run(), 1)
@@ -84,7 +86,8 @@ def test_grad_norm_over_sharded_gradients_is_a_plain_global_norm(one_rank_group,
     grads = [p.grad for p in model.parameters()]
     assert all(isinstance(g, DTensor) for g in grads)
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.full_tensor()) for g in grads]))
-    norm = global_grad_norm(accelerator, model, max_grad_norm)
+    spec = fsdp_run()
+    norm = build_strategy(spec.strategy, spec.precision).grad_norm(accelerator, model, max_grad_norm)
     assert type(norm) is torch.Tensor
     assert float(norm) == pytest.approx(float(expected), rel=1e-5)
     after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.full_tensor()) for p in model.parameters()]))
@@ -100,7 +103,7 @@ def test_saved_state_dict_is_the_full_fp32_model(one_rank_group):
 
 
 def test_compile_under_fsdp_is_refused_at_validation(compose_spec):
-    from runner.config.validate import check_fsdp
+    from runner.launch.preflight import check_fsdp
 
     [problem] = check_fsdp(compose_spec("recipe=gpt2_clm_tiny", "strategy=fsdp", "model.compile=true"))
     assert "model.compile=true with strategy=fsdp" in problem

@@ -87,7 +87,7 @@ def test_loss_and_grad_norm_agree_with_one_process_at_every_step(runs, name):
 
 
 # Every layout reports the float64-accumulated norm of the gradients it holds
-# (runner/distributed/accelerator.py grad_norm; DeepSpeed's own under ZeRO): measured within 6e-8 of one
+# (runner/distributed/grad_norm.py; DeepSpeed's own under ZeRO): measured within 6e-8 of one
 # process at every step. torch's float32 CPU norm had read 5.4e-4 low on one process's
 # embedding gradient and 2.7e-4 low on fsdp's half shards, inside the 0.1% above.
 SAME_NORM_RTOL = 1e-6

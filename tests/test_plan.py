@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from runner.train.plan import batches_per_rank, estimate_memory, steps_per_epoch, total_steps
+from runner.report.memory_estimate import estimate_memory
+from runner.train.plan import batches_per_rank, steps_per_epoch, total_steps
 
 P = 124_439_808  # GPT-2 small
 

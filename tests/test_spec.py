@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from runner.config.errors import compose_error
 from runner.config.paths import conf_dir, recipes_dir
 from runner.config.spec import PrecisionKind, RunSpec, StrategyKind, load_spec, save_spec
-from runner.config.validate import check_data_source, check_model, check_numbers
+from runner.config.validate import check_data_source, check_numbers
+from runner.launch.preflight import check_model
 
 RECIPES = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 GROUP_OPTIONS = sorted(

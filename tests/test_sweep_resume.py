@@ -20,7 +20,8 @@ from conftest import MICRO
 from runner.train.checkpoint import COMPLETE_MARKER, checkpoint_dir
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, save_spec
-from runner.sweep.summary import collect, write_job_status
+from runner.sweep.status import write_job_status
+from runner.sweep.summary import collect
 from runner.sweep.resume import Action, begin_sweep, continue_command, plan_job, read_records, write_record
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.distributed.accelerator import EngagementError, build_accelerator, check_engaged, reset_accelerate_state
+from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
+from runner.distributed.engagement import EngagementError, check_engaged
+from runner.distributed.strategies import build_strategy
 from runner.config.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 from runner.train.trainer import NonFiniteLoss, Trainer
 
@@ -54,7 +56,8 @@ class InfGrad:
 
 def make_trainer(accelerator, model, optimizer, tmp_path: Path, **kwargs) -> Trainer:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))  # moves every step
-    defaults = dict(max_grad_norm=0.0, log_every=0, eval_every=0, save_every=0, keep_checkpoints=1)
+    defaults = dict(strategy=build_strategy(StrategySpec(), PrecisionSpec()), max_grad_norm=0.0, log_every=0,
+                    eval_every=0, save_every=0, keep_checkpoints=1)
     return Trainer(accelerator, model, optimizer, scheduler, [], [], None, tmp_path, **{**defaults, **kwargs})  # type: ignore[arg-type]
 
 
@@ -73,7 +76,7 @@ def adam_steps(optimizer: torch.optim.Optimizer) -> list[float]:
 
 def ddp_path_with_inf_hook(tmp_path: Path, max_grad_norm: float, fused: bool):
     """A one-process (ddp-path) trainer whose model can be given an inf gradient."""
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=max_grad_norm)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=max_grad_norm)
     model = micro_model()
     inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
@@ -122,7 +125,7 @@ def test_a_clean_verdict_left_on_the_device_changes_no_number(tmp_path):
     runs = []
     for flag in (True, False):
         reset_accelerate_state()
-        accelerator = build_accelerator(StrategySpec(), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=1.0)
+        accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
         model = micro_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -139,7 +142,7 @@ def fp16_on_cpu(tmp_path: Path, **kwargs):
     """Accelerate's CUDA fp16 path, reproduced on a CPU: the GradScaler Accelerate builds on
     a GPU (here torch.amp.GradScaler("cpu")) drives backward, unscale and step, with the
     fused AdamW runner builds by default."""
-    accelerator = build_accelerator(StrategySpec(), PrecisionSpec(kind=PrecisionKind.fp16), grad_accum_steps=1, max_grad_norm=0.0)
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec(kind=PrecisionKind.fp16)), grad_accum_steps=1, max_grad_norm=0.0)
     assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # on a CPU Accelerate has none
     model = micro_model()
     inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
@@ -195,7 +198,8 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
     prepare_environment(1)
-    accelerator = build_accelerator(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec(), grad_accum_steps=1, max_grad_norm=0.0,
+    zero2 = build_strategy(StrategySpec(kind=StrategyKind.zero2), PrecisionSpec())
+    accelerator = build_accelerator(zero2, grad_accum_steps=1, max_grad_norm=0.0,
                                     per_device_batch_size=2)  # DeepSpeed's micro-batch, as the loader below
     try:
         model = micro_model()
@@ -208,7 +212,7 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
         spec.strategy.offload_optimizer = OffloadDevice.cpu
         with pytest.raises(EngagementError, match="offloads offload_optimizer to none, expected cpu.*DeepSpeedCPUAdam"):
             check_engaged(accelerator, model, optimizer, spec, planned_world_size=1)
-        trainer = make_trainer(accelerator, model, optimizer, tmp_path)
+        trainer = make_trainer(accelerator, model, optimizer, tmp_path, strategy=zero2)
         first, second = batches(2)
         assert trainer.train_step(first) and model.global_steps == 1
         assert 0 < float(trainer.grad_norm) < float("inf")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from runner.config.validate import check_accelerate_environment, check_fsdp, check_strategy
+from runner.config.validate import check_strategy
+from runner.launch.preflight import check_accelerate_environment, check_fsdp
 
 
 @pytest.mark.parametrize(
@@ -137,19 +138,19 @@ class Launched(Exception):
 
 @pytest.mark.parametrize("key, value", CASES, ids=[f"{k}={v if not callable(v) else 'bad'}" for k, v in CASES])
 def test_every_bad_value_is_refused_in_one_line(composed, key, value, tmp_path, monkeypatch):
-    """Through the launcher's own path (cli.start): compose-time type errors and validation
+    """Through the launcher's own path (runner/launch/start.py): compose-time type errors and validation
     alike end in a UserError naming the field, before anything is launched."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    import runner.launch.launcher
-    from runner.cli import start
+    import runner.launch.start
+    from runner.launch.start import start
     from runner.config.errors import UserError, compose_error
     from runner.config.spec import to_spec
 
     (tmp_path / "a_file").write_text("")
     value = value(tmp_path) if callable(value) else value
-    monkeypatch.setattr(runner.launch.launcher, "launch", lambda *a, **k: (_ for _ in ()).throw(Launched()))
+    monkeypatch.setattr(runner.launch.start, "launch", lambda *a, **k: (_ for _ in ()).throw(Launched()))
     cfg = copy.deepcopy(composed)
     try:
         OmegaConf.update(cfg, key, value, merge=False)

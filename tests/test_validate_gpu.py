@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runner.config.errors import UserError
-from runner.config.validate import check_gpu_precision, validate
+from runner.launch.preflight import check_gpu_precision, validate
 
 
 def _gpus(monkeypatch, *devices):

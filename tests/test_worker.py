@@ -59,9 +59,10 @@ def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_
 def test_loaders_pin_host_memory_on_a_gpu(compose_spec, monkeypatch, cuda):
     from types import SimpleNamespace
 
-    from runner.train.worker import _loaders
+    from runner.train.worker import make_loaders
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     data = SimpleNamespace(train=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 8, validation=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 4)
-    train, evaluation, _ = _loaders(compose_spec("recipe=gpt2_clm_tiny"), data)
+    loaders = make_loaders(compose_spec("recipe=gpt2_clm_tiny"), data)
+    train, evaluation = loaders.train, loaders.evaluation
     assert train.pin_memory is cuda and evaluation.pin_memory is cuda

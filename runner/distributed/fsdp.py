@@ -7,9 +7,14 @@ one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check afte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
 from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, StrategySpec
+from runner.distributed.patches import FSDP2_ON_CPU, engaged
+from runner.distributed.strategy import Strategy
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -27,9 +32,6 @@ def mixed_precision_policy(precision: PrecisionSpec) -> Any:
     reduce-scattered in fp32 and kept on fp32 sharded master weights. Accelerate's own
     default reduces in the low dtype too, which rounds every gradient sum to 8 bits of
     mantissa under bf16. None under fp32 (FSDP2's default: no casting at all)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if precision.kind not in LOW_PRECISION:
         return None
     return MixedPrecisionPolicy(param_dtype=getattr(torch, LOW_PRECISION[precision.kind]), reduce_dtype=torch.float32)
@@ -70,8 +72,8 @@ def engage_on_cpu(accelerator: "Accelerator", plugin: Any) -> None:
     from accelerate.utils import DistributedType
 
     state = accelerator.state
-    if state.distributed_type == DistributedType.FSDP:
-        return  # a GPU: Accelerate did it
+    if state.distributed_type == DistributedType.FSDP or not engaged(FSDP2_ON_CPU):
+        return  # a GPU: Accelerate did it (or an unverified Accelerate: the engagement check refuses)
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -81,9 +83,6 @@ def engagement_problems(accelerator: "Accelerator", model: Any, strategy: Strate
     """What differs between the FSDP2 wrapping in effect and the spec: FSDP2 engaged in
     Accelerate, the root and every transformer layer an FSDPModule, the reshard setting
     and the mixed-precision policy of each layer, CPU offload."""
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-
     if not accelerator.is_fsdp2:
         return [f"expected FSDP2, Accelerate runs {accelerator.state.distributed_type}"]
     if not isinstance(model, FSDPModule):
@@ -110,3 +109,26 @@ def engagement_problems(accelerator: "Accelerator", model: Any, strategy: Strate
         if problems:
             break  # every layer is wrapped alike: the first tells it
     return problems
+
+
+class FSDPStrategy(Strategy):
+    """PyTorch FSDP2 through Accelerate's plugin; on a CPU, engaged by runner (engage_on_cpu).
+    Its gradients are DTensor shards: the base class's norm completes them across ranks."""
+
+    def __init__(self, spec: StrategySpec, precision: PrecisionSpec) -> None:
+        super().__init__(spec, precision)
+        self.plugin: Any = None
+
+    def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
+                            per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
+                            model_type: str) -> dict[str, Any]:
+        # cpu=True on a CPU: Accelerate then builds a gloo group, which engage_on_cpu turns into FSDP.
+        self.plugin = fsdp_plugin(self.spec, self.precision, model_type)
+        return {"cpu": not cuda, "fsdp_plugin": self.plugin}
+
+    def after_accelerator(self, accelerator: "Accelerator") -> None:
+        if not torch.cuda.is_available():
+            engage_on_cpu(accelerator, self.plugin)
+
+    def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
+        return engagement_problems(accelerator, model, self.spec, self.precision)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from runner.train.plan import COMPARED_STRATEGIES, MemoryEstimate, batches_per_rank, dry_run_report, estimate_memory, plan_run
+import torch
+from transformers import AutoModelForCausalLM
+
+from runner.components.data import PreparedData
+from runner.components.model import build_config, count_parameters
 from runner.config.spec import OffloadDevice, RunSpec, spec_to_yaml
-
-if TYPE_CHECKING:
-    from runner.components.data import PreparedData
+from runner.report.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate, estimate_memory
+from runner.train.plan import RunPlan, batches_per_rank, plan_run
 
 
 @dataclass(frozen=True)
@@ -17,17 +20,12 @@ class ModelShape:
     """What the memory estimate needs of the model."""
 
     parameters: int
-    hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/accel.zero_sizes)
+    hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/distributed/deepspeed.py zero_sizes)
     layers: Optional[int] = None  # transformer layers: FSDP2 gathers one or two at a time
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
     """The model the run would build, on the meta device (no memory, no weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from runner.components.model import build_config, count_parameters
-
     config = build_config(spec.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -41,9 +39,7 @@ def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, M
             for s in COMPARED_STRATEGIES}
 
 
-def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
-    import torch
-
+def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
     shape = model_shape(spec)
     plan = plan_run(
         spec,
@@ -62,3 +58,33 @@ def report(spec: RunSpec, data: "PreparedData", world_size: int) -> str:
                                hidden_size=shape.hidden_size, layers=shape.layers)
     comparison = estimates(shape, plan.precision, world_size)
     return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str, MemoryEstimate]) -> str:
+    p = plan
+    lines = [
+        "runner: dry run (nothing trained, no run folder written)",
+        f"  world size      {p.world_size} ({p.strategy}, precision {p.precision}, device {p.device})",
+        f"  global batch    {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
+        f" x {p.grad_accum_steps} accumulation",
+        f"  tokens/step     {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
+        f"  steps           {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps over "
+        f"{p.train_blocks:,} blocks)",
+        f"  tokens          {p.total_steps * p.tokens_per_step:,}",
+        f"  parameters      {p.parameters:,}",
+        f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
+        "  memory per rank (model states; activations come on top):",
+        f"    parameters    {_gib(estimate.params)}",
+        f"    gradients     {_gib(estimate.grads)}",
+        f"    optimizer     {_gib(estimate.optimizer)}",
+        f"    buffers       {_gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered root and layers)",
+        f"    total         {_gib(estimate.device_total)}"
+        + (f"  (+ {_gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
+        "  per rank under each strategy: "
+        + " | ".join(f"{name} {_gib(est.device_total)}" for name, est in comparison.items()),
+    ]
+    return "\n".join(lines)

@@ -8,44 +8,28 @@ with torch's elastic launcher ourselves: c10d rendezvous, spawn start method, an
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 import uuid
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from runner.config.errors import UserError
+from runner.config.errors import USAGE_EXIT_CODE, UserError
 from runner.config.paths import default_cache_dir
+from runner.config.spec import RunSpec
+from runner.distributed.accelerator import reset_accelerate_state
+from runner.distributed.process_group import joined_launch
+from runner.distributed.strategies import build_strategy
+from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, world_size
+from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
-from runner.config.spec import LaunchSpec, RunSpec
-
-
-def resolve_nproc(launch: LaunchSpec) -> int:
-    if launch.nproc_per_node != "auto":
-        return int(launch.nproc_per_node)
-    import torch
-
-    return max(torch.cuda.device_count(), 1)
-
-
-def world_size(launch: LaunchSpec) -> int:
-    from runner.distributed.process_group import joined_launch
-
-    joined = joined_launch()
-    return joined.world_size if joined else resolve_nproc(launch) * launch.nnodes
-
-
-# The world size the launcher planned (and validated the batch arithmetic for), handed to
-# its workers: the engagement check compares Accelerate's process count with it.
-PLANNED_WORLD_SIZE_ENV = "RUNNER_PLANNED_WORLD_SIZE"
-
-
-def planned_world_size(launch: LaunchSpec) -> int:
-    """In a worker: the launcher's plan; a follower of an outside launch has only its WORLD_SIZE."""
-    planned = os.environ.get(PLANNED_WORLD_SIZE_ENV)
-    return int(planned) if planned else world_size(launch)
+from runner.train import worker
 
 
 def free_port() -> int:
@@ -56,8 +40,6 @@ def free_port() -> int:
 
 def prepare_environment(local_workers: int, debug: bool = False) -> None:
     """Settings every worker inherits."""
-    import torch
-
     if debug:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         os.environ["TORCH_CPP_LOG_LEVEL"] = "INFO"
@@ -66,8 +48,6 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
 
     # Workers share the cores this process may use (affinity, cgroup quota; see
     # runner/launch/cpus.py): without this each one starts a thread per core of the machine.
-    from runner.launch.cpus import usable_cpus
-
     os.environ.setdefault("OMP_NUM_THREADS", str(max(usable_cpus() // local_workers, 1)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not torch.cuda.is_available():
@@ -77,17 +57,14 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
 
 
 def _run_in_process(spec: RunSpec) -> None:
-    from runner.distributed.accelerator import is_zero, reset_accelerate_state
-    from runner.train.worker import run
-
     saved = dict(os.environ)
-    if is_zero(spec.strategy):
+    if build_strategy(spec.strategy, spec.precision).needs_process_group():
         # DeepSpeed always wants a process group, even of one.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
     try:
-        run(spec)
+        worker.run(spec)
     finally:
         # A sweep runs its jobs in this process: leave no state for the next one.
         reset_accelerate_state()
@@ -97,11 +74,8 @@ def _run_in_process(spec: RunSpec) -> None:
 
 @record
 def _worker_entry(spec_path: str) -> None:
-    from runner.config.errors import USAGE_EXIT_CODE, UserError
-    from runner.train.worker import main
-
     try:
-        main(spec_path)
+        worker.main(spec_path)
     except UserError as err:
         # A problem the user can fix, found on this rank (rank 0 or not): one line and
         # exit 2, as in the launcher, instead of @record's traceback.
@@ -126,12 +100,9 @@ def launch(spec: RunSpec, spec_path: Path) -> None:
 
 
 def _launch(spec: RunSpec, spec_path: Path) -> None:
-    from runner.distributed.process_group import joined_launch
-    from runner.train.worker import run
-
     if joined_launch() is not None:  # we are rank 0 of an outside launch
         prepare_environment(1, spec.launch.debug)
-        run(spec)
+        worker.run(spec)
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
@@ -140,9 +111,6 @@ def _launch(spec: RunSpec, spec_path: Path) -> None:
         return
     # More than one worker, or one that may need restarting (launch.max_restarts): a
     # worker in this process could not be restarted after a crash, so it is spawned.
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     multi_node = spec.launch.nnodes > 1
     endpoint = spec.launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
@@ -161,10 +129,6 @@ def _launch(spec: RunSpec, spec_path: Path) -> None:
     # The launcher's own log of a worker's exit is a traceback of torch's process
     # bookkeeping, not of the failure: the worker's traceback (@record) or its one-line
     # UserError is already printed, and start() names the rank and its exit code.
-    import logging
-
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     if multi_node:
         check_endpoint(spec.launch, endpoint)

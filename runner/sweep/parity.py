@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from runner.config.validate import parity_baseline_problems
 from runner.report.parity import GRAD_NORM_RTOL, LOSS_ATOL, parity_problems, step_records
 
 PARITY_COLUMNS = ("max_abs_dloss", "max_grad_norm_rel_diff", "parity", "parity_detail")
@@ -40,18 +41,6 @@ class JobParity:
     parity_detail: Optional[str] = None
 
 
-def setting_problems(setting: Optional[str]) -> list[str]:
-    """What is wrong with the form of `sweep.parity_baseline` (checked at launch; which
-    job it names is known only when the sweep ends)."""
-    if setting is None or setting.strip().isdigit():
-        return []
-    tokens = setting.split()
-    if not tokens or not all("=" in t and not t.startswith("=") for t in tokens):
-        return [f"sweep.parity_baseline='{setting}' must be a job index (0, 1, ...) or overrides of one job, "
-                "e.g. 'sweep.parity_baseline=\"strategy=ddp\"'."]
-    return []
-
-
 def pick_baseline(jobs: Sequence[Job], setting: Optional[str]) -> Job:
     """The job named by `sweep.parity_baseline`: null -> the first; digits -> that index
     in the sweep's order (the job folder's number); else overrides, all of which the
@@ -60,7 +49,7 @@ def pick_baseline(jobs: Sequence[Job], setting: Optional[str]) -> Job:
         raise ValueError("the sweep has no jobs")
     if setting is None:
         return jobs[0]
-    problems = setting_problems(str(setting))
+    problems = parity_baseline_problems(str(setting))
     if problems:
         raise ValueError(problems[0])
     text = str(setting).strip()

@@ -27,7 +27,7 @@ from runner.train.checkpoint import latest_checkpoint, read_marker
 from runner.config.errors import UserError
 from runner.launch.rundir import existing_results
 from runner.config.spec import SPEC_FILENAME, RunSpec, load_spec
-from runner.sweep.summary import JOB_STATUS
+from runner.sweep.status import JOB_STATUS, job_status
 
 RECORDS_DIRNAME = ".sweep_runs"
 
@@ -37,16 +37,6 @@ class Action(str, Enum):
     kept = "kept"
     resumed = "resumed"
     rerun = "re-run"
-
-
-def job_status(job_dir: Path) -> Optional[str]:
-    path = job_dir / JOB_STATUS
-    if not path.is_file():
-        return None
-    try:
-        return str(json.loads(path.read_text()).get("status"))
-    except ValueError:  # torn by a kill mid-write: the job did not finish
-        return None
 
 
 def has_results(job_dir: Path) -> bool:

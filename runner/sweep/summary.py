@@ -22,16 +22,10 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from runner.sweep.status import JOB_STATUS
 from runner.sweep.parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
 
-JOB_STATUS = "job_status.json"
 COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
-
-
-def write_job_status(job_dir: Path, status: str, wall_s: float, overrides: list[str], reason: Optional[str] = None) -> None:
-    job_dir.mkdir(parents=True, exist_ok=True)
-    record = {"status": status, "wall_s": round(wall_s, 2), "overrides": overrides, "reason": reason}
-    (job_dir / JOB_STATUS).write_text(json.dumps(record, indent=2) + "\n")
 
 
 @dataclass

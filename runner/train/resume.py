@@ -13,7 +13,7 @@ from typing import Optional
 
 from runner.train.checkpoint import CHECKPOINTS_DIRNAME, is_complete, latest_checkpoint
 from runner.config.errors import UserError
-from runner.train.plan import global_batch
+from runner.config.batch import global_batch
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 
 HARMLESS = (

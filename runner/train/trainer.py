@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from runner.distributed.accelerator import backward, global_grad_norm, innermost_optimizer, optimizer_step, release_gathered_parameters
+from runner.distributed.strategy import Strategy
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.train.plan import RunPlan
@@ -75,6 +75,7 @@ class Trainer:
         plan: RunPlan,
         run_dir: Path,
         *,
+        strategy: Strategy,
         max_grad_norm: float,
         log_every: int,
         eval_every: int,
@@ -87,6 +88,7 @@ class Trainer:
         max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
     ) -> None:
         self.accelerator = accelerator
+        self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -248,7 +250,7 @@ class Trainer:
         acc, s = self.accelerator, self.state
         with acc.accumulate(self.model):
             loss = self.model(**batch).loss
-            backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
+            self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             if acc.sync_gradients:
                 self._check_finite(loss)
                 if self._optimizer_step():
@@ -270,16 +272,7 @@ class Trainer:
 
     def _optimizer_step(self) -> bool:
         """Step the optimizer; False when the step was skipped (an fp16 overflow)."""
-        acc = self.accelerator
-        scaler = getattr(acc, "scaler", None)
-        scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-        optimizer_step(acc, self.optimizer)
-        if acc.optimizer_step_was_skipped:
-            return False
-        # With a fused AdamW, GradScaler.step always calls optimizer.step() (the kernel
-        # skips the update itself on found_inf), so Accelerate's flag stays False. The
-        # sign of a skip is then the scale backing off (update() halves it on found_inf).
-        return scale_before is None or scaler.get_scale() >= scale_before
+        return self.strategy.optimizer_step(self.accelerator, self.optimizer)
 
     def _count_skip(self) -> None:
         s = self.state
@@ -314,7 +307,7 @@ class Trainer:
         the host before their step.
         """
         self._read_verdict()
-        self.grad_norm = global_grad_norm(self.accelerator, self.model, self.max_grad_norm)
+        self.grad_norm = self.strategy.grad_norm(self.accelerator, self.model, self.max_grad_norm)
         if self.accelerator.mixed_precision == "fp16":
             return
         checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
@@ -328,12 +321,9 @@ class Trainer:
         self.unread_verdict = verdict
 
     def _found_inf_optimizer(self) -> Optional[torch.optim.Optimizer]:
-        """The torch optimizer under Accelerate's wrapper if it skips its own update on a
-        device-side `found_inf` flag; None under DeepSpeed (its engine steps its own)."""
-        if getattr(self.accelerator, "deepspeed_engine_wrapped", None) is not None:
-            return None
-        inner = innermost_optimizer(self.optimizer)
-        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+        """The torch optimizer if it skips its own update on a device-side `found_inf` flag;
+        None under DeepSpeed (its engine steps its own)."""
+        return self.strategy.found_inf_optimizer(self.optimizer)
 
     def _read_verdict(self) -> None:
         """Raise if the last step's loss or gradient norm was non-finite (a host sync)."""
@@ -399,12 +389,7 @@ class Trainer:
 
     def _loss_scale(self) -> Optional[float]:
         """fp16's dynamic loss scale (Accelerate's GradScaler or DeepSpeed's), else None."""
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            return float(scaler.get_scale())
-        engine_optimizer = getattr(self.model, "optimizer", None)
-        scale = getattr(engine_optimizer, "cur_scale", None) if self.accelerator.mixed_precision == "fp16" else None
-        return float(scale) if scale is not None else None
+        return self.strategy.loss_scale(self.accelerator, self.model)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -426,7 +411,7 @@ class Trainer:
             per_sample_acc = (logits.argmax(-1) == labels).float().mean(dim=1)
             losses.append(acc.gather_for_metrics(per_sample_loss))
             correct.append(acc.gather_for_metrics(per_sample_acc))
-        release_gathered_parameters(self.model)  # ZeRO-3: nothing left in flight from the last batch
+        self.strategy.after_evaluation(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
         if not losses:
             return {}

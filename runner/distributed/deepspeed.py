@@ -1,0 +1,443 @@
+"""strategy=zero2 / zero3: DeepSpeed ZeRO through Accelerate's DeepSpeed plugin. Everything
+runner knows of DeepSpeed is in this module.
+
+The config is complete (nothing left "auto" for Accelerate to fill), the engine steps
+only after the non-finite check (`backward` runs the engine's backward alone), the
+norm is ZeRO's own over its partitions, and model/ is written from ZeRO's fp32 master
+weights. Three changes to DeepSpeed's private state save memory or let a sweep run
+several ZeRO jobs in one process; each is fenced by the versions it was verified on
+(runner/distributed/patches.py) and otherwise left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
+
+import torch
+
+from runner.config.batch import global_batch_size
+from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.distributed.patches import (
+    DEEPSPEED_FORGET_WORLD_GROUP, ZERO3_RELEASE_GRADIENT_PARTITION, ZERO3_SHARE_FP32_MASTER, engaged,
+)
+from runner.distributed.strategy import Strategy
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+ZERO_STAGE = {StrategyKind.zero2: 2, StrategyKind.zero3: 3}
+
+
+# fp16 loss scaling under ZeRO, matched to torch's GradScaler (what ddp uses): start at
+# 2**16, halve on every overflow (hysteresis 1), double after 2000 clean steps.
+# DeepSpeed's own defaults differ (window 1000, hysteresis 2).
+DEEPSPEED_FP16 = {"initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
+
+
+def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
+    """ZeRO's bucket and residency sizes from the model's width, in elements.
+
+    DeepSpeed's fixed defaults are sized for billions of parameters: a 5e8-element
+    reduce bucket (2 GB in fp32, filled with every gradient of a smaller model before
+    it is reduced), a 5e7 prefetch and 1e9 for live parameters and reuse distance,
+    which under ZeRO-3 keep every gathered parameter of a model under 1e9 parameters
+    resident from forward through backward: the full model on every rank, the
+    opposite of ZeRO-3. Accelerate's "auto" rule sets the first three from the hidden
+    size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
+    elements stay unpartitioned); runner uses it, and bounds the prefetch by the same
+    measure: at most one prefetch bucket's worth of parameters live. The reuse distance
+    is one prefetch bucket too: DeepSpeed's 1e9 keeps every parameter gathered in
+    forward until backward, the whole model on each rank at the end of forward (on
+    GPT-2 small x 2: peak 2.55 GB, 0.79 of ddp; with one bucket 2.22 GB, 0.69).
+    Measured in bench/README.md (strategy_memory.py)."""
+    hidden2 = hidden_size * hidden_size
+    sizes = {"reduce_bucket_size": hidden2}
+    if stage == 3:
+        prefetch = int(0.9 * hidden2)
+        sizes.update({
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": prefetch,
+            "stage3_max_reuse_distance": prefetch,
+        })
+    return sizes
+
+
+def deepspeed_config(
+    strategy: StrategySpec,
+    precision: PrecisionSpec,
+    grad_accum_steps: int,
+    max_grad_norm: float,
+    per_device_batch_size: int,
+    world_size: int,
+    hidden_size: Optional[int] = None,
+) -> dict[str, Any]:
+    """The complete DeepSpeed config for a ZeRO strategy, every value explicit.
+
+    Accelerate's plugin leaves "auto" placeholders and fills them in prepare() from its
+    own defaults; one of those is gradient_clipping=1.0, so ZeRO clipped even with
+    optim.max_grad_norm=0 while ddp did not. Here nothing is left to fill: clipping 0
+    means 0 (DeepSpeed's "no clipping"), and the precision sections are ours. Bucket
+    sizes come from the model's `hidden_size` (zero_sizes); without one (a model config
+    that names no width) DeepSpeed's own defaults apply.
+    """
+    stage = ZERO_STAGE[strategy.kind]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": strategy.offload_optimizer.value},
+        **(zero_sizes(stage, hidden_size) if hidden_size else {}),
+    }
+    if stage == 3:
+        zero["offload_param"] = {"device": strategy.offload_params.value}
+        zero["stage3_gather_16bit_weights_on_model_save"] = strategy.zero3_save_16bit_model
+    return {
+        "train_micro_batch_size_per_gpu": per_device_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        # DeepSpeed checks train = micro x accumulation x world size at initialize().
+        "train_batch_size": global_batch_size(per_device_batch_size, world_size, grad_accum_steps),
+        "gradient_clipping": float(max_grad_norm),
+        "zero_optimization": zero,
+        "fp16": {"enabled": precision.kind is PrecisionKind.fp16, **DEEPSPEED_FP16},
+        "bf16": {"enabled": precision.kind is PrecisionKind.bf16},
+        "zero_allow_untested_optimizer": True,  # runner's torch AdamW (client optimizer)
+    }
+
+
+def deepspeed_plugin(config: dict[str, Any]) -> Any:
+    """Accelerate's plugin around our complete config (it fills only "auto" values, and
+    there are none)."""
+    from accelerate import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(
+        hf_ds_config=config,
+        zero3_init_flag=False,  # the model is built (seeded) before the engine, as under DDP
+    )
+
+
+def offload_device(config: Any) -> str:
+    """The device of a DeepSpeed offload config (engine.zero_offload_optimizer() /
+    zero_offload_param()): "none" when there is none."""
+    device = getattr(config, "device", None)
+    # An enum in older DeepSpeed, a plain string (use_enum_values) in 0.19.
+    return str(getattr(device, "value", device) or "none")
+
+
+def _gradient_partition(engine: Any) -> Any:
+    """ZeRO-3's flat fp32 gradient partition when runner may release it between steps;
+    None under ZeRO-1/2, or when an offload moves it (DeepSpeed then swaps its `.data`)."""
+    zero = getattr(engine, "optimizer", None)
+    flat = getattr(zero, "grad_partitions_flat_buffer", None)
+    offloaded = {offload_device(engine.zero_offload_optimizer()), offload_device(engine.zero_offload_param())}
+    if flat is None or offloaded != {"none"}:
+        return None
+    return flat
+
+
+# DeepSpeed's per-parameter views of the flat partition (a name-mangled private dict of
+# DeepSpeedZeroOptimizer_Stage3; partition_grads writes each reduced gradient through it).
+_GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def release_gradient_partition(engine: Any) -> None:
+    """Free ZeRO-3's gradient partition once the optimizer has stepped, until the end of
+    the next backward.
+
+    DeepSpeed allocates every rank's partition of the gradients (fp32, a quarter of the
+    model states at 2 ranks) once and keeps it for the whole run, though it only holds
+    data from the first gradient reduced in an accumulation window to the step that
+    closes it. ZeRO-3 peaks at the start of backward, where every layer's activations,
+    the gathered tied embedding and its full-size gradient are live: the partition
+    there, kept or reallocated by the first reduced gradient, was 237 MB of that peak on
+    GPT-2 small x 2 in fp32 (bench/README.md). FSDP2 frees its gradients at zero_grad
+    for the same reason.
+
+    The storage is emptied in place, so DeepSpeed's views of it stay valid. In the next
+    window's first backward (DeepSpeed copies, not adds, each reduced gradient then),
+    each parameter's reduced gradient goes to a tensor of its own, allocated as the
+    backward frees activations; the backward's epilogue reallocates the partition,
+    zeroed, moves them in and points DeepSpeed's views back (`restore_gradient_partition`).
+    Any other use of the empty partition fails loudly instead of reading stale values."""
+    flat = _gradient_partition(engine)
+    if flat is None or not engaged(ZERO3_RELEASE_GRADIENT_PARTITION):
+        return
+    zero = engine.optimizer
+    if not getattr(zero, "_runner_defers_grad_partition", False):
+        _defer_gradient_partition(engine)
+    flat.untyped_storage().resize_(0)
+
+
+def _defer_gradient_partition(engine: Any) -> None:
+    """Route DeepSpeed's writes into a released partition to per-parameter tensors, and
+    reallocate it at the end of backward (see release_gradient_partition)."""
+    zero = engine.optimizer
+    write, close = zero.partition_grads, zero.independent_gradient_partition_epilogue
+    views = getattr(zero, _GRAD_VIEWS, None)  # None: another DeepSpeed; reallocate at the first write
+    zero._runner_staged_grads = {}  # ds_id -> DeepSpeed's view of the partition, while staged
+
+    def partition_grads(params: list, grad_partitions: list) -> Any:
+        flat = zero.grad_partitions_flat_buffer
+        if views is not None and zero.micro_step_id == 0 and flat.untyped_storage().nbytes() == 0:
+            for param in params:
+                if param.ds_id not in zero._runner_staged_grads:
+                    zero._runner_staged_grads[param.ds_id] = views[param.ds_id]
+                    # Zeroed: DeepSpeed skips a rank's all-padding partitions and writes only
+                    # the real part of a padded one; the rest must read 0 as it did before.
+                    views[param.ds_id] = torch.zeros_like(views[param.ds_id])
+        else:
+            restore_gradient_partition(engine)
+        return write(params, grad_partitions)
+
+    def epilogue() -> None:
+        close()
+        if zero._runner_staged_grads:
+            restore_gradient_partition(engine)
+            close()  # again, with nothing left to reduce: its per-group gradient lists now point into the partition
+
+    zero.partition_grads = partition_grads
+    zero.independent_gradient_partition_epilogue = epilogue
+    zero._runner_defers_grad_partition = True
+
+
+def restore_gradient_partition(engine: Any) -> None:
+    """Reallocate, zeroed, ZeRO-3's gradient partition if `release_gradient_partition`
+    freed it, moving in the gradients staged since; a no-op otherwise."""
+    flat = _gradient_partition(engine)
+    if flat is None or flat.untyped_storage().nbytes() != 0:
+        return
+    flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+    flat.zero_()
+    zero = engine.optimizer
+    staged = getattr(zero, "_runner_staged_grads", {})
+    views = getattr(zero, _GRAD_VIEWS, {})
+    for ds_id, view in staged.items():
+        view.copy_(views[ds_id])
+        views[ds_id] = view
+    staged.clear()
+
+
+def fp32_copy(model: Any) -> dict[str, Any]:
+    """The model's parameters, copied, before a ZeRO engine casts them to bf16/fp16 in
+    place (host memory: one fp32 copy of the model, freed once the engine holds them)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
+    """Give ZeRO's fp32 master weights the exact initial values.
+
+    DeepSpeed casts the module to bf16/fp16 first and builds its fp32 master copy from
+    that, so every initial weight is rounded to 16 bits, where ddp starts from the fp32
+    values. Each rank sets its own partition from the full tensor; under ZeRO-3 that is
+    local, under ZeRO-2 too (no collective)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in engine.module.named_parameters():
+        safe_set_full_fp32_param(p, weights[name].to(p.device))
+
+
+def share_zero3_fp32_master(engine: Any) -> int:
+    """Under ZeRO-3 in fp32, make the optimizer's fp32 partition the working partition
+    itself instead of a second copy of it; returns the bytes freed (0: nothing to share).
+
+    When the working weights are already fp32 on the optimizer's device, DeepSpeed
+    means to skip its master copy, but it compares `tensor.device == "cpu"` (or
+    "cuda:0"), a torch.device against a string, which is never equal: every rank then
+    keeps two fp32 copies of its partition (measured in bench/README.md). The step
+    copies the master partition into the working one after each update, a copy onto
+    itself once they share storage, so the math is unchanged. Only a bit-equal copy of
+    the same shape, dtype and device is shared."""
+    if not engaged(ZERO3_SHARE_FP32_MASTER):
+        return 0
+    zero = getattr(engine, "optimizer", None)
+    working = getattr(zero, "fp16_partitioned_groups_flat", None)
+    master = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if not working or not master or len(working) != len(master):
+        return 0
+    freed = 0
+    for low, high in zip(working, master):
+        if low is None or high.numel() == 0 or high.data_ptr() == low.data_ptr():
+            continue
+        if (low.dtype, low.device, low.shape) != (high.dtype, high.device, high.shape) or not torch.equal(low, high):
+            continue
+        freed += high.numel() * high.element_size()
+        high.data = low.data
+    return freed
+
+
+def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
+    """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
+    bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
+    calls it, parameters in the same order; only a rank with `keep` (the one that writes)
+    holds the host copy, so the others never carry a second full model."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    full: dict[int, Any] = {}
+    state: dict[str, Any] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
+            value = safe_get_full_fp32_param(p)
+            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone() if keep else None
+        state[name] = full[id(p)]
+    if not keep:
+        return {}
+    persistent = set(module.state_dict().keys())  # buffers as state_dict() has them
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
+    return state
+
+
+def forget_world_group() -> None:
+    """Forget DeepSpeed's cached clone of the world process group.
+
+    DeepSpeed caches it in a module global; once this run's group is destroyed the
+    clone is stale, and the next in-process ZeRO job (a one-process ZeRO sweep) fails
+    in initialize() with "Group ... is not registered"."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and engaged(DEEPSPEED_FORGET_WORLD_GROUP):
+        groups._WORLD_GROUP = None
+
+
+def zero_grad_norm(engine: Any) -> torch.Tensor:
+    """ZeRO's own global norm over every rank's partition (what its step computes again
+    before clipping), unscaled; DeepSpeed reports an inf/NaN norm as -1, returned as inf."""
+    zero = engine.optimizer
+    if hasattr(zero, "scaled_global_norm"):  # ZeRO-1/2
+        scaled = zero.scaled_global_norm()
+    else:  # ZeRO-3
+        from deepspeed.runtime.utils import combine_grad_norm_groups
+
+        scaled = combine_grad_norm_groups(zero._get_norm_groups())
+    scaled = torch.as_tensor(scaled, dtype=torch.float32)
+    return torch.where(scaled < 0, torch.full_like(scaled, math.inf), scaled / float(zero.loss_scale))
+
+
+class ZeroStrategy(Strategy):
+    """DeepSpeed ZeRO-2 or ZeRO-3."""
+
+    library = "deepspeed"
+
+    def __init__(self, spec: StrategySpec, precision: PrecisionSpec) -> None:
+        super().__init__(spec, precision)
+        self.stage = ZERO_STAGE[spec.kind]
+        self._initial: Optional[dict[str, Any]] = None
+
+    def needs_process_group(self) -> bool:
+        return True  # DeepSpeed always wants a process group, even of one
+
+    def offloads_optimizer(self) -> bool:
+        return self.spec.offload_optimizer.value != "none"
+
+    def spec_notes(self, fused: bool) -> list[str]:
+        if not self.offloads_optimizer():
+            return []
+        dropped = "; optim.fused does not apply" if fused else ""
+        return [f"optimizer: DeepSpeedCPUAdam (DeepSpeed replaces torch's AdamW under strategy.offload_optimizer=cpu{dropped})"]
+
+    def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
+                            per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
+                            model_type: str) -> dict[str, Any]:
+        # DeepSpeed on CPU needs cpu=False with a gloo process group.
+        config = deepspeed_config(self.spec, self.precision, grad_accum_steps, max_grad_norm, per_device_batch_size,
+                                  world_size, hidden_size)
+        return {"cpu": False, "deepspeed_plugin": deepspeed_plugin(config)}
+
+    def before_prepare(self, model: torch.nn.Module, accelerator: "Accelerator") -> None:
+        # The engine casts the module to bf16/fp16 before it copies its fp32 master weights.
+        self._initial = fp32_copy(model) if accelerator.mixed_precision != "no" else None
+
+    def after_prepare(self, accelerator: "Accelerator", model: Any) -> None:
+        if self._initial is not None:
+            set_zero_master_weights(model, self._initial)  # ZeRO starts from the same fp32 weights as ddp
+            self._initial = None
+        elif self.stage == 3 and not self.offloads_optimizer():
+            share_zero3_fp32_master(model)  # fp32: one copy of each partition, not two
+
+    def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
+        from accelerate.utils import DistributedType
+
+        kind = accelerator.state.distributed_type
+        engaged_stage = getattr(model, "zero_optimization_stage", None)
+        if kind != DistributedType.DEEPSPEED or not callable(engaged_stage) or engaged_stage() != self.stage:
+            return [f"expected a DeepSpeed ZeRO-{self.stage} engine, got {type(model).__name__} ({kind})"]
+        problems = []
+        accum = accelerator.gradient_accumulation_steps
+        if model.gradient_accumulation_steps() != accum:
+            problems.append(f"DeepSpeed accumulates {model.gradient_accumulation_steps()} steps, expected {accum}")
+        for name, wanted, config in (
+            ("offload_optimizer", self.spec.offload_optimizer.value, model.zero_offload_optimizer()),
+            ("offload_params", self.spec.offload_params.value, model.zero_offload_param()),
+        ):
+            device = offload_device(config)
+            if device != wanted:
+                problems.append(f"DeepSpeed offloads {name} to {device}, expected {wanted}")
+        return problems
+
+    def expected_optimizer(self, fused: bool) -> str:
+        # Accelerate swaps torch's AdamW for DeepSpeedCPUAdam under optimizer offload (the
+        # update runs on the CPU; optim.fused does not apply).
+        return "DeepSpeedCPUAdam" if self.offloads_optimizer() else super().expected_optimizer(fused)
+
+    def compiles_model(self) -> bool:
+        return False  # the engine compiles inside itself; the prepared model is not a compiled wrapper
+
+    def backward(self, accelerator: "Accelerator", loss: torch.Tensor) -> None:
+        """Accelerate's backward without DeepSpeed's optimizer step.
+
+        `accelerator.backward` also runs `engine.step()` at the end of an accumulation
+        window, so anything checked after it (the non-finite guard) would be checked
+        after the update. Here the engine only runs backward, as Accelerate's wrapper
+        does (accumulation boundary first); `optimizer_step` then steps it."""
+        engine = accelerator.deepspeed_engine_wrapped.engine
+        engine.set_gradient_accumulation_boundary(is_boundary=accelerator.sync_gradients)
+        engine.backward(loss)
+
+    def grad_norm(self, accelerator: "Accelerator", model: Any, max_grad_norm: float) -> torch.Tensor:
+        # Clipping is the engine's own (gradient_clipping), inside its step.
+        return zero_grad_norm(accelerator.deepspeed_engine_wrapped.engine)
+
+    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+        return None  # the engine steps its own optimizer: checked on the host before the step
+
+    def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:
+        engine = accelerator.deepspeed_engine_wrapped.engine
+        engine.step()  # clips (gradient_clipping), steps or skips on overflow, zeroes
+        optimizer.step()  # Accelerate's DeepSpeed wrapper: a no-op, but the lr scheduler sees its step
+        release_gradient_partition(engine)
+        return not accelerator.optimizer_step_was_skipped
+
+    def loss_scale(self, accelerator: "Accelerator", model: Any) -> Optional[float]:
+        if accelerator.mixed_precision != "fp16":
+            return None
+        scale = getattr(getattr(model, "optimizer", None), "cur_scale", None)
+        return float(scale) if scale is not None else None
+
+    def after_evaluation(self, model: Any) -> None:
+        release_gathered_parameters(model)
+
+    def gathered(self, params: list[torch.nn.Parameter]) -> ContextManager[Any]:
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params)
+
+    def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
+        return zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective
+
+
+def release_gathered_parameters(model: Any) -> None:
+    """Under ZeRO-3, wait for every parameter DeepSpeed is still gathering and partition
+    every gathered one again; a no-op for any other model.
+
+    An evaluation is forward passes with no backward. With a reuse distance smaller
+    than the model (zero_sizes), DeepSpeed prefetches along the trace it recorded in
+    training, and an evaluation whose last batch is short ends with parameters still in
+    flight: the next gather of the full model (the final save) then fails with "Cannot
+    partition a param in flight" (2 ranks, 13 eval blocks of batch 4)."""
+    empty = getattr(model, "empty_partition_cache", None)  # DeepSpeedEngine; acts under ZeRO-3 only
+    if callable(empty):
+        empty()

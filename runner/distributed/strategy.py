@@ -1,0 +1,163 @@
+"""One object per strategy (ddp, zero, fsdp), one interface: what the worker and the
+trainer ask of a strategy, so neither branches on which one runs.
+
+`Strategy` is the interface, its defaults the plain Accelerate path (torch's optimizer
+and GradScaler, the model's own parameters), which `DDPStrategy` (ddp, or one process)
+adds only its engagement check to; runner/distributed/deepspeed.py
+and runner/distributed/fsdp.py override what differs. The object is built from the
+spec before the Accelerator (runner/distributed/strategies.py) and lives for the run.
+
+Order of use (runner/train/worker.py, runner/train/trainer.py):
+  accelerator_options -> after_accelerator -> before_prepare -> prepare -> after_prepare
+  -> engagement_problems -> per micro-batch: backward; per window: grad_norm,
+  found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> gathered
+  (fingerprints) -> full_state_dict (model/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
+from runner.distributed.grad_norm import clip_and_norm
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+# Accelerate's name for each precision.
+MIXED_PRECISION = {PrecisionKind.fp32: "no", PrecisionKind.bf16: "bf16", PrecisionKind.fp16: "fp16"}
+
+
+def innermost_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under Accelerate's wrapper and, under DeepSpeed, ZeRO's."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # AcceleratedOptimizer, DeepSpeed's wrapper, its ZeRO optimizer
+        inner = inner.optimizer
+    return inner
+
+
+def adamw_name(fused: bool) -> str:
+    return f"AdamW ({'fused' if fused else 'foreach'})"
+
+
+class Strategy:
+    """The interface, with the plain Accelerate path as its default behaviour."""
+
+    library = "torch"  # whose private code this strategy may patch (runner/distributed/patches.py)
+
+    def __init__(self, spec: StrategySpec, precision: PrecisionSpec) -> None:
+        self.spec = spec
+        self.precision = precision
+
+    @property
+    def kind(self) -> StrategyKind:
+        return self.spec.kind
+
+    @property
+    def name(self) -> str:
+        return self.spec.kind.value
+
+    # ------------------------------------------------------------ the launcher
+    def needs_process_group(self) -> bool:
+        """True when even one process needs a process group (DeepSpeed always does)."""
+        return False
+
+    def spec_notes(self, fused: bool) -> list[str]:
+        """What the strategy will do that the spec's keys do not say, for run_spec.yaml."""
+        return []
+
+    # ------------------------------------------------------------ the Accelerator
+    def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
+                            per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
+                            model_type: str) -> dict[str, Any]:
+        """Keyword arguments for Accelerator(): a plugin, and whether it runs as `cpu`.
+        DDP on CPU needs cpu=True, else two unsynchronised copies."""
+        return {"cpu": not cuda}
+
+    def after_accelerator(self, accelerator: "Accelerator") -> None:
+        """What Accelerate does not do for this strategy itself."""
+
+    # ------------------------------------------------------------ prepare()
+    def before_prepare(self, model: torch.nn.Module, accelerator: "Accelerator") -> None:
+        """Called with the bare model just before accelerator.prepare()."""
+
+    def after_prepare(self, accelerator: "Accelerator", model: Any) -> None:
+        """Called with the prepared model."""
+
+    def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
+        """What differs between the wrapping in effect and the spec (empty: engaged as asked)."""
+        return []
+
+    def expected_optimizer(self, fused: bool) -> str:
+        """The optimizer the run will step, as engaged_optimizer names it."""
+        return adamw_name(fused)
+
+    def compiles_model(self) -> bool:
+        """Whether model.compile=true is applied by prepare() (DeepSpeed compiles inside its engine)."""
+        return True
+
+    # ------------------------------------------------------------ a step
+    def backward(self, accelerator: "Accelerator", loss: torch.Tensor) -> None:
+        accelerator.backward(loss)
+
+    def grad_norm(self, accelerator: "Accelerator", model: Any, max_grad_norm: float) -> torch.Tensor:
+        """The global gradient norm before the optimizer step (0-d float64, not read on the
+        host), clipping to `max_grad_norm` when it is > 0. Under DDP the gradients are
+        already all-reduced, so the local norm is the global one; under fp16 they are
+        unscaled first (and what is clipped is the true gradient)."""
+        accelerator.unscale_gradients()  # a no-op unless fp16
+        return clip_and_norm([p for p in model.parameters() if p.grad is not None], max_grad_norm)
+
+    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer if it skips its own update on a device-side `found_inf` flag
+        (GradScaler's protocol, torch's fused AdamW); None otherwise."""
+        inner = innermost_optimizer(optimizer)
+        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+
+    def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:
+        """Step the optimizer of a closed accumulation window; False when the step was
+        skipped (an fp16 overflow)."""
+        scaler = getattr(accelerator, "scaler", None)
+        scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        optimizer.step()
+        if accelerator.optimizer_step_was_skipped:
+            return False
+        # With a fused AdamW, GradScaler.step always calls optimizer.step() (the kernel
+        # skips the update itself on found_inf), so Accelerate's flag stays False. The
+        # sign of a skip is then the scale backing off (update() halves it on found_inf).
+        return scale_before is None or scaler.get_scale() >= scale_before
+
+    def loss_scale(self, accelerator: "Accelerator", model: Any) -> Optional[float]:
+        """fp16's dynamic loss scale, else None."""
+        scaler = getattr(accelerator, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+    def after_evaluation(self, model: Any) -> None:
+        """Called after an evaluation's last forward."""
+
+    # ------------------------------------------------------------ the end
+    def gathered(self, params: list[torch.nn.Parameter]) -> ContextManager[Any]:
+        """A context in which `params` are whole on every rank (for the rank fingerprints)."""
+        return contextlib.nullcontext()
+
+    def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
+        """The whole model's fp32 state dict on the main process (empty elsewhere); a
+        collective: every rank calls it."""
+        return accelerator.get_state_dict(model)
+
+
+class DDPStrategy(Strategy):
+    """strategy=ddp: DistributedDataParallel across processes; one process runs the same
+    path unwrapped."""
+
+    def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
+        if planned_world_size <= 1:
+            return []
+        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        if not isinstance(inner, DistributedDataParallel):
+            return [f"expected DistributedDataParallel, got {type(inner).__name__} ({accelerator.state.distributed_type})"]
+        return []

@@ -1,0 +1,205 @@
+"""The launcher's pre-flight: what the spec asks of this machine, the model and the data.
+
+Pure checks of the spec's fields are runner/config/validate.py; these read files,
+probe the machine (CUDA, installed packages), build the model's config, and finally
+tokenize the data (`prepare_data`), so that every problem is reported at once, before
+a run folder is touched or a worker starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from runner.components.data import PreparedData, prepare, resolve_block_size
+from runner.components.data_checks import check_data_files as check_files
+from runner.components.model import (
+    build_config, build_tokenizer, check_sources, hub_reachable, max_positions, tokenizer_source,
+)
+from runner.config.errors import UserError
+from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
+from runner.config.validate import spec_problems
+from runner.distributed.strategy import MIXED_PRECISION
+from runner.distributed.fsdp import LAYER_CLASSES
+
+def check_data_files(spec: RunSpec) -> list[str]:
+    """The data's files, cache folder, or hub dataset are there to be read."""
+    d, problems = spec.data, []
+    if d.cache_dir is not None:
+        problems += _check_cache_dir(d.cache_dir)
+    if d.train_file:
+        problems += check_files(d)
+    elif d.dataset_name and not d.dataset_name.startswith(("/", ".", "~")):
+        if not _dataset_cached(d.dataset_name) and not hub_reachable():
+            problems.append(
+                f"data.dataset_name='{d.dataset_name}' is not in the local datasets cache and the hub is "
+                "unreachable. Use local files (data.train_file=/path/train.txt) or recipe=gpt2_clm_tiny."
+            )
+    return problems
+
+
+def check_strategy_file(spec: RunSpec) -> list[str]:
+    st = spec.strategy
+    if st.config_file and not Path(st.config_file).expanduser().is_file():
+        return [f"strategy.config_file: no such file '{st.config_file}'. Give the YAML that `accelerate config` wrote."]
+    return []
+
+
+def _check_cache_dir(cache_dir: str) -> list[str]:
+    """The folder must be, or be creatable as, a writable directory."""
+    path = Path(cache_dir).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if (path.exists() and not path.is_dir()) or not existing.is_dir() or not os.access(existing, os.W_OK):
+        return [f"data.cache_dir={cache_dir} is not a writable folder (nor creatable as one). Set data.cache_dir to a "
+                "folder you can write, or data.cache_dir=null for the default."]
+    return []
+
+
+def _dataset_cached(name: str) -> bool:
+    root = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
+    return any(root.glob(f"{name.replace('/', '___')}*"))
+
+
+def check_model(spec: RunSpec) -> list[str]:
+    problems = check_sources(spec.model) + _empty_model_folders(spec)
+    if problems:
+        return problems
+    try:
+        config = build_config(spec.model)
+    except UserError as err:
+        return err.problems
+    except OSError as err:
+        return [f"model.name_or_path='{spec.model.name_or_path}': cannot read its config ({str(err).splitlines()[0]})."]
+    positions = max_positions(config)
+    block = spec.data.block_size
+    if block is not None and positions is not None and block > positions:
+        problems.append(
+            f"data.block_size={block} is larger than the model's {positions} positions. "
+            f"Set data.block_size={positions} or less (or raise n_positions in model.config_overrides)."
+        )
+    return problems
+
+
+def _empty_model_folders(spec: RunSpec) -> list[str]:
+    """A local folder given as the model or tokenizer must hold one (save_pretrained's files)."""
+    m, problems = spec.model, []
+    wanted = (
+        (m.name_or_path, "model.name_or_path", "model", ("config.json",)),
+        (tokenizer_source(m), "model.tokenizer_name" if m.tokenizer_name else "model.name_or_path", "tokenizer",
+         ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")),
+    )
+    for value, override, what, files in wanted:
+        folder = Path(str(value)).expanduser() if value else None
+        if folder is not None and folder.is_dir() and not any((folder / f).is_file() for f in files):
+            problems.append(f"{override}='{value}' is a folder with no {what} in it (none of {', '.join(files)}). "
+                            f"Point {override} at a folder written by save_pretrained.")
+    return problems
+
+
+def check_machine(spec: RunSpec) -> list[str]:
+    """Strategy packages and precision support on this machine."""
+    problems: list[str] = []
+    if spec.strategy.kind in (StrategyKind.zero2, StrategyKind.zero3) and importlib.util.find_spec("deepspeed") is None:
+        problems.append(
+            f"strategy={spec.strategy.kind.value} needs DeepSpeed, which is not installed. Install it with "
+            "`pip install --no-build-isolation 'runner[deepspeed]'`, or use strategy=ddp."
+        )
+    tracker_module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}.get(spec.tracking.value)
+    if tracker_module and importlib.util.find_spec(tracker_module) is None:
+        problems.append(
+            f"tracking={spec.tracking.value} needs the {tracker_module} package: pip install {tracker_module} "
+            "(or tracking=none)."
+        )
+    cuda = torch.cuda.is_available()
+    if spec.precision.kind is PrecisionKind.fp16 and not cuda:
+        problems.append(
+            "precision=fp16 needs a GPU: on a CPU Accelerate would silently compute in fp32. "
+            "Use precision=bf16 (real bf16 autocast on CPU) or precision=fp32."
+        )
+    return problems
+
+
+def check_fsdp(spec: RunSpec) -> list[str]:
+    """What strategy=fsdp cannot do here, refused before any worker starts (the world
+    size is checked in validate(), which knows it)."""
+    if spec.strategy.kind is not StrategyKind.fsdp:
+        return []
+    p = []
+    if spec.strategy.offload_params.value != "none" and not torch.cuda.is_available():
+        p.append("strategy.offload_params=cpu under strategy=fsdp moves parameters from the GPU to host memory; on a "
+                 "CPU-only machine they are there already. Set strategy.offload_params=none.")
+    if spec.model.compile:
+        p.append("model.compile=true with strategy=fsdp is not supported yet (Accelerate compiles the model before "
+                 "fully_shard, which runner's engagement check and unwrap do not handle). Use model.compile=false, "
+                 "or strategy=ddp / zero2 with model.compile=true.")
+    if spec.model.name_or_path is None and spec.model.model_type not in LAYER_CLASSES:
+        p.append(f"strategy=fsdp wraps each transformer layer of {', '.join(LAYER_CLASSES)} models; "
+                 f"model.model_type={spec.model.model_type} has no known layer class. Use strategy=zero3 or ddp.")
+    return p
+
+
+def check_accelerate_environment(spec: RunSpec) -> list[str]:
+    """An outer `accelerate launch` passes its settings as ACCELERATE_* variables. Accelerate
+    lets ACCELERATE_GRADIENT_ACCUMULATION_STEPS override the value runner passes, and ignores
+    ACCELERATE_MIXED_PRECISION for it: either way one of the two settings would silently lose."""
+    p = []
+    accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if accum is not None and accum != str(spec.train.grad_accum_steps):
+        p.append(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} (from an outer accelerate launch) contradicts "
+                 f"train.grad_accum_steps={spec.train.grad_accum_steps}: set train.grad_accum_steps={accum} and drop the "
+                 "launcher's --gradient_accumulation_steps (or unset the variable).")
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if mixed is not None and mixed.lower() != MIXED_PRECISION[spec.precision.kind]:
+        names = {v: k.value for k, v in MIXED_PRECISION.items()}
+        p.append(f"ACCELERATE_MIXED_PRECISION={mixed} (from an outer accelerate launch) contradicts "
+                 f"precision={spec.precision.kind.value}: set precision={names.get(mixed.lower(), '...')} and drop the "
+                 "launcher's --mixed_precision (or unset the variable).")
+    return p
+
+
+def check_gpu_precision(spec: RunSpec) -> list[str]:
+    """bf16 needs an Ampere or newer GPU (compute capability 8.0+) on every visible device.
+    torch.cuda.is_bf16_supported() also counts emulation, which runs bf16 on a V100 or
+    T4 many times slower than fp16, so the capability is what is checked."""
+    if spec.precision.kind is not PrecisionKind.bf16 or not torch.cuda.is_available():
+        return []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < (8, 0):
+            name = torch.cuda.get_device_name(index)
+            return [
+                f"precision=bf16 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor} "
+                "and would only emulate bf16, slowly. Use precision=fp16 (loss scaling) or precision=fp32."
+            ]
+    return []
+
+
+CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
+    check_strategy_file, check_accelerate_environment, check_machine, check_gpu_precision, check_fsdp,
+    check_data_files, check_model,
+)
+
+
+def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
+    """Raise one UserError listing every problem found, the spec's own (config/validate.py)
+    and this machine's, model's and data's. world_size None: launch.* is invalid."""
+    problems = spec_problems(spec, world_size)
+    for check in CHECKS:
+        problems += check(spec)
+    if problems:
+        raise UserError(problems)
+
+
+def prepare_data(spec: RunSpec) -> PreparedData:
+    """Tokenize and group the data now, in the launcher: data that yields no training
+    or evaluation block is refused before any worker starts, and workers then read
+    the same on-disk cache."""
+    tokenizer = build_tokenizer(spec.model)
+    block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
+    return prepare(spec.data, tokenizer, block_size)

@@ -1,0 +1,137 @@
+"""Start a run from a composed spec: settle the launch, validate everything at once,
+claim the run folder, freeze run_spec.yaml, launch the workers, and turn how they
+ended into one line. Shared by `runner ...` (Hydra), `runner --spec` and each sweep job.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from runner.config.batch import accumulation_for
+from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
+from runner.config.spec import StrategyKind
+from runner.config.validate import check_launch
+from runner.distributed.process_group import slurm_node_launch
+from runner.distributed.world import world_size
+from runner.launch.accelerate_config import apply_accelerate_config
+from runner.launch.dry_run import report
+from runner.launch.launcher import launch
+from runner.launch.preflight import prepare_data, validate
+from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
+from runner.train.resume import check_resume
+from runner.train.signals import EXIT_CODES
+
+
+def apply_slurm_nodes(spec: Any) -> None:
+    """srun with one task per node: each task is this node's launcher."""
+    found = slurm_node_launch()
+    if found and spec.launch.nnodes == 1:
+        spec.launch.nnodes, spec.launch.node_rank, endpoint = found
+        spec.launch.rdzv_endpoint = spec.launch.rdzv_endpoint or endpoint
+
+
+def start(
+    spec: Any,
+    run_dir: Path,
+    overwrite: bool,
+    composed: Any = None,
+    overrides: tuple[str, ...] = (),
+    run_dir_chosen: bool = True,
+) -> None:
+    """Validate, claim the run folder, freeze the spec, launch. Shared by both entries."""
+    if spec.strategy.kind is StrategyKind.accelerate_config:
+        if not spec.strategy.config_file:
+            raise UserError("strategy=accelerate_config needs its file: add strategy.config_file=path/to/accelerate_config.yaml")
+        for note in apply_accelerate_config(spec):
+            sys.stderr.write(f"runner: note: {note}\n")
+    apply_slurm_nodes(spec)
+    if spec.run_dir and Path(spec.run_dir).resolve() != run_dir.resolve():
+        raise UserError(f"run_dir={spec.run_dir} is set by the launcher, not by hand: choose the run folder with "
+                        "hydra.run.dir=PATH (or --run-dir PATH with --spec).")
+    spec.run_dir = str(run_dir.resolve())
+    # After the accelerate-config and Slurm settings above; a bad launch.* value is
+    # reported by validate with everything else, not met here as a traceback.
+    world = world_size(spec.launch) if not check_launch(spec) else None
+    if world is not None:  # train.global_batch_size decides the accumulation at this world size
+        spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
+    validate(spec, world)
+    data = prepare_data(spec)
+    if spec.dry_run:
+        print(report(spec, data, world))
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
+        return
+    if spec.launch.nnodes > 1 and not run_dir_chosen:
+        raise UserError(
+            "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
+            "(the same on every node's command line)."
+        )
+    checkpoint, notes = (
+        check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else (None, [])
+    )
+    if spec.launch.node_rank > 0:
+        # Node 0 owns the run folder; this node's workers only need the spec.
+        spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
+    else:
+        # Only a resume from this folder's own checkpoint may write beside its results.
+        continuing = continues_in_place(run_dir, checkpoint)
+        why = ""
+        if spec.resume is not None and not continuing:
+            why = "; resume=auto found no checkpoint in it to continue from" if checkpoint is None else (
+                f"; resume={spec.resume} is another folder's checkpoint")
+        prepare_run_dir(run_dir, overwrite, continuing=continuing, why=why)
+        spec_path = freeze(spec, run_dir, composed, overrides)
+    for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
+        sys.stderr.write(f"runner: {note}\n")
+    try:
+        launch(spec, spec_path)
+    except SignalException as err:
+        # The launcher was signalled; the workers got it too and checkpointed.
+        code = EXIT_CODES.get(signal.Signals(err.sigval), 1)
+        sys.stderr.write(
+            f"runner: stopped by {signal.Signals(err.sigval).name}. Resume with: runner --spec {run_dir / 'run_spec.yaml'} "
+            f"--run-dir {run_dir} --resume auto\n"
+        )
+        raise SystemExit(code) from None
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        # @record hands the failing rank's traceback to this process (the spawned rank
+        # does not print it): shown once, above the one-line reason.
+        callstack = failure_traceback(failure)
+        if callstack:
+            sys.stderr.write(f"[rank {rank}] {callstack.rstrip()}\n")
+        raise RunFailed(f"worker rank {rank} failed: {failure_reason(failure, spec.launch.timeout_minutes)}") from None
+
+
+def failure_traceback(failure: Any) -> str:
+    """The traceback torch elastic's @record saved for a failed worker ('' when there is
+    none: a UserError's one line, a signal, an abort)."""
+    if failure.exitcode == USAGE_EXIT_CODE or not isinstance(failure.message, dict):
+        return ""
+    return str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
+
+
+def failure_reason(failure: Any, timeout_minutes: float) -> str:
+    """One line on why a worker died, from torch elastic's ProcessFailure."""
+    message = str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message)
+    reason = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+    if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
+        reason = f"exit code {failure.exitcode}"
+    if failure.exitcode == -signal.SIGABRT:
+        # NCCL's watchdog does not raise in Python when a collective outlives the process
+        # group's timeout: it aborts the process, so there is no traceback to show.
+        reason += (
+            f". On GPUs this is how NCCL ends a collective that waited longer than "
+            f"launch.timeout_minutes={timeout_minutes:g}: a rank is stuck or died. Rerun with launch.debug=true "
+            "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL) or set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
+            "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to see which collective each rank was in; raise launch.timeout_minutes "
+            "if one step is legitimately that slow. See docs/gpus.md, 'Reading a timeout'"
+        )
+    return reason
