@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A two-node Slurm cluster on this one machine, for tests and for trying the README's
-# Slurm recipes (Debian 12, Slurm 22.05; needs root).
+# A two-node Slurm cluster on this one machine, for tests and for trying the
+# Slurm recipes of docs/clusters-and-slurm.md (Debian 12, Slurm 22.05; needs root).
 #
 #   scripts/test-cluster.sh up      build it; returns when sinfo shows both nodes idle
 #   scripts/test-cluster.sh down    stop every daemon, remove every namespace, link and file

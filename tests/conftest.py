@@ -1,4 +1,13 @@
-"""Shared fixtures: offline, CPU-only, a private cache, and a compose helper."""
+"""Shared fixtures: offline, CPU-only, a private cache, a compose helper, and the tiers.
+
+Every test has one tier marker, by what it costs (registered in pyproject.toml):
+  unit          in this process, no training run (unmarked tests get it)
+  e2e           a training run through the CLI or the worker, in this process or one child
+  multiprocess  two or more worker processes (torch elastic, torchrun)
+  cluster       the two-node Slurm cluster in network namespaces (scripts/test-cluster.sh)
+The guard below fails a test that costs more than its marker says: a unit test that
+trains or starts a process, or an e2e test that starts several workers.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the runner sets it (see runner/cli.py)
 
+import multiprocessing.process
+import subprocess
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -114,3 +125,81 @@ def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     yield
     reset_accelerate_state()
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- tiers
+TIERS = ("unit", "e2e", "multiprocess", "cluster")
+# What a child process's command line says about its cost: several workers, or the cluster.
+_MANY_WORKERS = ("nproc_per_node=2", "nproc_per_node=3", "nproc_per_node=4", "--nproc-per-node", "--nproc_per_node",
+                 "torchrun", "nnodes=2", "--num_processes")
+# Children that are tools, not runs: DeepSpeed JIT-compiles its CPU ops once per machine,
+# and libraries probe the machine (uname, ldconfig); they cost no tier.
+_TOOLS = {"gcc", "g++", "cc", "c++", "ld", "ninja", "nvcc", "uname", "ldconfig", "lscpu", "numactl", "nvidia-smi", "which", "git"}
+_CLUSTER = ("srun", "sbatch", "squeue", "scontrol", "sacct", "ip netns", "test-cluster.sh", "nsenter")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if not tiers:
+            item.add_marker(pytest.mark.unit)
+        elif len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
+
+
+def _tier(item: pytest.Item) -> str:
+    return next(t for t in TIERS if item.get_closest_marker(t))
+
+
+class TierGuard:
+    """Notes what a test starts: child processes (their command lines), spawned
+    multiprocessing workers, and in-process training runs."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+        self.spawned = 0
+        self.trained = 0
+
+    def needed(self) -> str:
+        text = " ".join(self.commands)
+        if any(word in text for word in _CLUSTER):
+            return "cluster"
+        if self.spawned or any(word in text for word in _MANY_WORKERS):
+            return "multiprocess"
+        return "e2e" if self.commands or self.trained else "unit"
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import runner.train.worker as worker
+
+    guard = TierGuard()
+    popen_init, process_start, train = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start, worker.train
+
+    def noting_popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        command = args if isinstance(args, str) else " ".join(map(str, args))
+        if Path(command.split(" ", 1)[0]).name not in _TOOLS:
+            guard.commands.append(command)
+        popen_init(self, args, *rest, **kwargs)
+
+    def noting_start(self: Any) -> None:
+        guard.spawned += 1
+        process_start(self)
+
+    def noting_train(*args: Any, **kwargs: Any) -> Any:
+        guard.trained += 1
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", noting_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", noting_start)
+    monkeypatch.setattr(worker, "train", noting_train)
+    yield
+    needed, marked = guard.needed(), _tier(request.node)
+    report = os.environ.get("RUNNER_TIER_REPORT")  # a file: note each test's tier there, for re-marking
+    if report:
+        with open(report, "a") as out:
+            out.write(f"{request.node.nodeid}\t{marked}\t{needed}\t{guard.commands[:2]}\n")
+    if not report and TIERS.index(needed) > TIERS.index(marked):
+        pytest.fail(f"this test is marked {marked} but costs {needed} (started: {guard.commands[:3]}, "
+                    f"{guard.spawned} spawned workers, {guard.trained} in-process runs): mark it "
+                    f"@pytest.mark.{needed}", pytrace=False)

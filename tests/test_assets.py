@@ -39,6 +39,7 @@ def test_corpus_is_the_six_novels():
         assert title in upper
 
 
+@pytest.mark.e2e
 def test_vendored_files_match_their_checksums():
     script = PACKAGE_DIR.parent / "scripts" / "build_assets.py"
     done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)

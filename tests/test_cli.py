@@ -98,6 +98,7 @@ def test_spec_rerun_of_missing_file(capsys, tmp_path):
     assert code == 2 and "no such file" in err
 
 
+@pytest.mark.e2e
 def test_console_script_exit_code_and_no_traceback(tmp_path):
     """The installed `runner` command itself: one line, exit 2."""
     done = subprocess.run(
@@ -108,6 +109,7 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     assert "bad value for 'optim.lr'" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_help_lists_groups(tmp_path):
     done = subprocess.run([sys.executable, "-m", "runner", "--help"], capture_output=True, text=True)
     assert done.returncode == 0
@@ -115,6 +117,7 @@ def test_help_lists_groups(tmp_path):
         assert group in done.stdout
 
 
+@pytest.mark.e2e
 def test_cfg_job_prints_the_composed_config():
     done = subprocess.run([sys.executable, "-m", "runner", "recipe=gpt2_clm", "--cfg", "job"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -157,7 +160,7 @@ def test_other_failures_keep_their_own_reason(tmp_path):
     assert reason.startswith("Signal 9 (SIGKILL)") and "NCCL" not in reason
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_cli_fed_a_worker_that_aborts_names_the_timeout_and_nccl_variables(tmp_path):
     """Rank 1 dies of SIGABRT (exit -6), as under NCCL's watchdog: the launcher's one line says what to do."""
     import os

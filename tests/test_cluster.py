@@ -2,7 +2,7 @@
 
 `scripts/test-cluster.sh up` (once per session) makes two network namespaces, rtc-node1
 (10.213.0.11) and rtc-node2 (10.213.0.12), on a private bridge, each with one slurmd.
-The runner's README commands run in them and must reproduce single-host ddp. Traffic goes
+The commands of docs/clusters-and-slurm.md run in them and must reproduce single-host ddp. Traffic goes
 only between those namespaces and the bridge (they have no other route). Needs root and
 the Debian packages `.ci/run` installs; skipped, with the reason, only without root or
 without the privilege to create network namespaces.
@@ -22,12 +22,12 @@ import pytest
 
 from conftest import MICRO
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "test-cluster.sh"
 HOSTS = ("rtc-node1", "rtc-node2")
 NODE0 = "10.213.0.11"
-# The README's two-machine commands, one worker per host.
+# docs/clusters-and-slurm.md, 'Two machines': its commands, one worker per host.
 TWO_HOSTS = ["launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint={NODE0}:29500", "launch.rdzv_timeout=300"]
 
 
@@ -134,8 +134,8 @@ def _slurm(env: dict[str, str], *command: str, timeout: int = 60) -> str:
     return done.stdout
 
 
-def test_readme_sbatch_script_trains_across_both_nodes(cluster, single_host_ddp, tmp_path):
-    """The README's script as written (srun runner ..., one task per node), with sbatch -N 2."""
+def test_the_documented_sbatch_script_trains_across_both_nodes(cluster, single_host_ddp, tmp_path):
+    """The script of docs/clusters-and-slurm.md as written (srun runner ..., one task per node), with sbatch -N 2."""
     import shlex
 
     script = tmp_path / "train.sbatch"

@@ -11,7 +11,7 @@ import pytest
 
 from test_multiprocess import losses, runner
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multiprocess
 
 STEPS = ["train.max_steps=4"]
 

@@ -89,6 +89,7 @@ def test_golden_losses(micro_run):
     assert losses == pytest.approx(golden["losses"], abs=1e-4)
 
 
+@pytest.mark.e2e
 def test_rerun_from_frozen_spec_is_bit_identical(micro_run, tmp_path):
     run_dir, metrics = micro_run
     again = tmp_path / "again"
@@ -97,6 +98,7 @@ def test_rerun_from_frozen_spec_is_bit_identical(micro_run, tmp_path):
     assert [m.get("loss") for m in rerun] == [m.get("loss") for m in metrics]
 
 
+@pytest.mark.e2e
 def test_overwrite_true_replaces_results(micro_run, tmp_path):
     run_dir = tmp_path / "run"
     from conftest import MICRO
@@ -107,6 +109,7 @@ def test_overwrite_true_replaces_results(micro_run, tmp_path):
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]  # replaced, not appended
 
 
+@pytest.mark.e2e
 def test_accumulation_matches_a_bigger_batch(tmp_path):
     """batch 4 x 2 accumulation == batch 8 x 1, step by step."""
     from conftest import MICRO
@@ -118,6 +121,7 @@ def test_accumulation_matches_a_bigger_batch(tmp_path):
     assert [m["loss"] for m in acc if "loss" in m] == pytest.approx([m["loss"] for m in big if "loss" in m], abs=1e-4)
 
 
+@pytest.mark.e2e
 def test_gradient_checkpointing_and_eager_attention_keep_the_numbers(tmp_path):
     """Recomputing activations and another attention kernel change speed/memory, not the math."""
     from conftest import MICRO
@@ -130,7 +134,7 @@ def test_gradient_checkpointing_and_eager_attention_keep_the_numbers(tmp_path):
     assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(golden, abs=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_torch_compile_trains_and_saves(tmp_path):
     from conftest import MICRO
 
@@ -143,6 +147,7 @@ def test_torch_compile_trains_and_saves(tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")  # no torch.compile prefixes in the saved keys
 
 
+@pytest.mark.e2e
 def test_bf16_trains_close_to_fp32_and_saves_fp32_weights(tmp_path):
     """bf16 autocast (with the fp32 copy of the logits dropped, runner/distributed/accelerator.py) follows
     the fp32 losses to bf16's precision, evaluates, and saves full-precision weights."""
@@ -183,7 +188,7 @@ def test_resume_auto_never_overwrites_a_finished_run_without_checkpoints(micro_r
     assert digests() == before  # every file byte-identical
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_zero_optimizer_offload_engages_deepspeed_cpu_adam_and_says_so(tmp_path):
     """strategy.offload_optimizer=cpu: DeepSpeed steps its own CPU Adam. The run must engage
     it (the engagement check reads the offload device DeepSpeed built), say so in the banner

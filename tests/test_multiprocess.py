@@ -18,9 +18,9 @@ from conftest import MICRO, patch_train_step
 from runner.report.parity import parity_problems, step_records
 
 # Each layout runs once, when a test first asks for it (so `-k fsdp` runs only those).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]
 
-CONFIGS = Path(__file__).parent / "data" / "accelerate_configs"
+CONFIGS = Path(__file__).parent / "launch" / "data" / "accelerate_configs"
 # 13 eval blocks: 2 ranks x eval batch 4 pad the last batch, which gather_for_metrics must drop.
 # 32 training blocks at a global batch of 8 make 4 steps an epoch: 12 steps cross two
 # epoch boundaries (new shuffles, loaders restarted). Dropout is off (MICRO).

@@ -128,8 +128,11 @@ class OptimSpec:
     weight_decay: float = 0.0
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     beta1: float = 0.9
+    """AdamW's decay rate of the gradient's running mean, in [0, 1)."""
     beta2: float = 0.999
+    """AdamW's decay rate of the squared gradient's running mean, in [0, 1)."""
     eps: float = 1e-8
+    """Added to AdamW's denominator for numerical stability (> 0)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value before each step. 0 disables."""
     fused: bool = True

@@ -2,8 +2,9 @@
 
 Users arrive with `accelerate launch --config_file deepspeed_zero2.yaml run_clm.py`.
 `strategy=accelerate_config strategy.config_file=deepspeed_zero2.yaml` gives the
-same run: each key either maps onto a spec field (ACCELERATE_KEYS, also the
-README's table) or gets a note saying why it is not honoured.
+same run: each key either maps onto a spec field (ACCELERATE_KEYS, also the table
+in docs/strategies.md, 'Coming from accelerate launch') or gets a note saying why it
+is not honoured.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ACCELERATE_KEYS: dict[str, str] = {
     "fsdp_config.fsdp_state_dict_type": "(always: checkpoints sharded per rank, model/ the full gathered model)",
 }
 
-# run_clm.py / HF Trainer flag -> the runner override that does the same (the README's table).
+# run_clm.py / HF Trainer flag -> the runner override that does the same (the table in docs/strategies.md).
 RUN_CLM_FLAGS: dict[str, str] = {
     "--model_name_or_path": "model.name_or_path",
     "--model_type": "model.model_type",

@@ -132,6 +132,6 @@ def failure_reason(failure: Any, timeout_minutes: float) -> str:
             f"launch.timeout_minutes={timeout_minutes:g}: a rank is stuck or died. Rerun with launch.debug=true "
             "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL) or set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
             "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to see which collective each rank was in; raise launch.timeout_minutes "
-            "if one step is legitimately that slow. See docs/gpus.md, 'Reading a timeout'"
+            "if one step is legitimately that slow. See docs/gpus.md ('Reading a timeout')"
         )
     return reason

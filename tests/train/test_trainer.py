@@ -184,7 +184,7 @@ def test_fp16_consecutive_overflows_stop_the_run(tmp_path):
     assert trainer.state.skipped_steps == 5
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkeypatch):
     """ZeRO-2 in one process (gloo): the engagement check reads the engine's offload and
     optimizer; an inf gradient stops the run with the engine's weights and step count as

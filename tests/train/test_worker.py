@@ -28,7 +28,7 @@ def _saved_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model" / "model.safetensors"))
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_path):
     """Two CPU processes, bf16, a tiny lr: the runs differ only by bf16 compute (at most
     ~lr per Adam step on a weight), far below bf16's storage rounding (2**-8 relative:

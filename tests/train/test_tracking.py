@@ -7,6 +7,7 @@ import pytest
 from conftest import MICRO
 
 
+@pytest.mark.e2e
 def test_tensorboard_event_file_reads_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -25,6 +26,7 @@ def test_tensorboard_event_file_reads_back(tmp_path):
     assert "optim.lr" in next(hparams).read_text()
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     """A run that logged steps 5-8 after its step-4 checkpoint and is resumed from it logs
     5-8 again; TensorBoard must show each step once, with the resumed run's values."""

@@ -58,6 +58,7 @@ def test_summary_files_and_printed_table(mixed_sweep):
     assert "runner: sweep summary" in done.stdout and "train.per_device_batch_size=4" in done.stdout
 
 
+@pytest.mark.e2e
 def test_runner_report_rebuilds_the_summary(mixed_sweep):
     sweep_dir, _ = mixed_sweep
     (sweep_dir / "summary.csv").unlink()
@@ -85,7 +86,7 @@ def test_slurm_launcher_config_composes():
     assert cfg.hydra.launcher.nodes == 2
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_strategy_sweep_certifies_parity(tmp_path):
     """ddp vs zero2 at 2 processes, dropout off (MICRO): the summary's parity columns say ok."""
     sweep_dir = tmp_path / "sweep"

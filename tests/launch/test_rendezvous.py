@@ -59,7 +59,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("first", [0, 1])
 def test_a_node_that_starts_late_still_joins_within_the_timeout(tmp_path, first):
     """One node starts 20 s after the other (either order) and the two still train together."""
@@ -72,7 +72,7 @@ def test_a_node_that_starts_late_still_joins_within_the_timeout(tmp_path, first)
     assert len(_losses(tmp_path / "run")) == 8
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("rank, expected", [(0, "not all 2 nodes joined"), (1, "nothing answered")])
 def test_a_node_alone_stops_after_the_timeout_with_one_line(tmp_path, rank, expected):
     endpoint = f"127.0.0.1:{free_port()}"

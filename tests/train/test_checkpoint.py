@@ -12,39 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MICRO
+from runs import cmd, logged_steps, losses, resume_cmd
 from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
-
-# 24 steps with a checkpoint every 4: long enough to interrupt, short enough for CI.
-# GPT-2's dropout (0.1) stays on, as in every shipped recipe: a resume must continue
-# each rank's random stream, not only the weights and the data position.
-DROPOUT_ON = "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=64'"
-RUN = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "data.max_train_samples",
-                                             "model.config_overrides"))] + [
-    DROPOUT_ON, "train.max_steps=24", "train.eval_every=0", "train.save_every=4", "data.max_train_samples=64",
-]
-
-
-def cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "runner", *RUN, *extra, f"hydra.run.dir={run_dir}"]
-
-
-def resume_cmd(run_dir: Path, how: str = "auto") -> list[str]:
-    return [sys.executable, "-m", "runner", "--spec", str(run_dir / "run_spec.yaml"), "--run-dir", str(run_dir), "--resume", how]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Train loss by step; each step must be logged exactly once."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
-
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.time() + timeout
@@ -98,6 +67,7 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return losses(run_dir)
 
 
+@pytest.mark.e2e
 def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir), run_dir)
@@ -106,6 +76,7 @@ def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     assert losses(run_dir) == uninterrupted  # every step, bit for bit, dropout on
 
 
+@pytest.mark.e2e
 def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
     """Logged every 3 steps, saved every 4: the step-8 checkpoint falls inside the 7-9
     window, and the kill lands after step 10, two steps past the checkpoint."""
@@ -122,6 +93,7 @@ def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
         assert resumed[key] == reference[key], key
 
 
+@pytest.mark.e2e
 def test_numbers_do_not_depend_on_what_setup_drew(tmp_path):
     """Setup before training (the peak FLOP/s probe, libraries) may draw from the global
     RNG or not: dropout's stream must not change. One run's probe draws 1,000 numbers
@@ -148,6 +120,7 @@ def test_numbers_do_not_depend_on_what_setup_drew(tmp_path):
     assert losses(tmp_path / "drawing") == losses(tmp_path / "quiet")
 
 
+@pytest.mark.e2e
 def test_rates_after_a_resume_count_only_this_process(tmp_path):
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir), run_dir, step=16)
@@ -161,6 +134,7 @@ def test_rates_after_a_resume_count_only_this_process(tmp_path):
     assert results["train_tokens_per_second"] * runtime == pytest.approx(steps_run * batch * block, rel=0.01)
 
 
+@pytest.mark.e2e
 def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     code, err = sigterm_after_first_log(cmd(run_dir, "train.save_every=0"), run_dir, timeout=120)
@@ -172,6 +146,7 @@ def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterru
     assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
 
 
+@pytest.mark.e2e
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(cmd(run_dir, "train.max_steps=8"), capture_output=True, text=True, timeout=600)
@@ -185,6 +160,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, t
     assert done.returncode == 0 and "resuming from" in done.stderr and "step_8" in done.stderr
 
 
+@pytest.mark.e2e
 def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
     run_dir = tmp_path / "run"
     assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
@@ -201,6 +177,7 @@ def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):
     run_dir = tmp_path / "run"
     assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
@@ -214,17 +191,20 @@ def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):
     assert max(losses(run_dir)) == 8
 
 
+@pytest.mark.e2e
 def test_resume_auto_without_a_checkpoint_says_so(tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(cmd(run_dir, "train.max_steps=2", "resume=auto"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "no checkpoint" in done.stderr and "starting fresh" in done.stderr
 
 
+@pytest.mark.e2e
 def test_resume_path_that_is_not_a_checkpoint(tmp_path):
     done = subprocess.run(cmd(tmp_path / "run", f"resume={tmp_path}"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "not a complete checkpoint" in done.stderr
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_before_the_step_and_names_it(tmp_path):
     run_dir = tmp_path / "run"
     # An absurd learning rate blows the weights up within a couple of steps.
@@ -236,6 +216,7 @@ def test_nan_loss_stops_before_the_step_and_names_it(tmp_path):
     assert not (run_dir / "all_results.json").exists()
 
 
+@pytest.mark.e2e
 def test_layout_change_that_cannot_continue_exactly_is_refused(tmp_path):
     """62 samples at a global batch of 4 leave a short last step each epoch, which each
     layout splits its own way: a change of layout is refused, naming why and the fix."""

@@ -207,7 +207,7 @@ def uninterrupted_job2(tmp_path_factory) -> dict[int, float]:
     return step_losses(run_dir)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sigterm_checkpoints_the_running_job_and_prints_the_continue_command(stopped_sweep):
     sweep_dir, code, stderr, _ = stopped_sweep
     assert code == 143, stderr[-3000:]
@@ -220,7 +220,7 @@ def test_sigterm_checkpoints_the_running_job_and_prints_the_continue_command(sto
     assert "Traceback" not in stderr
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_rerunning_without_resume_auto_is_refused_and_touches_nothing(stopped_sweep):
     sweep_dir, _, _, job1_before = stopped_sweep
     job2_before = file_hashes(job_of(sweep_dir, 2))
@@ -243,7 +243,7 @@ def continued_sweep(stopped_sweep):
     return sweep_dir, done
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_continued_sweep_keeps_resumes_and_runs(stopped_sweep, continued_sweep, uninterrupted_job2):
     _, _, _, job1_before = stopped_sweep
     sweep_dir, done = continued_sweep
@@ -269,7 +269,7 @@ def test_a_continued_sweep_keeps_resumes_and_runs(stopped_sweep, continued_sweep
     assert "| kept |" in (sweep_dir / "summary.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_failed_job_runs_again_from_the_start_and_a_changed_finished_job_is_refused_alone(tmp_path):
     """Seeds 1 and 2, 4 steps, a checkpoint every 2. The first job to reach step 3 crashes
     (after its step-2 checkpoint); the other finishes. Then job 2's frozen spec is edited

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import patch_train_step
-from test_checkpoint import cmd, losses
+from runs import cmd, losses
 
 
 def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeypatch):
@@ -33,7 +33,7 @@ def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeyp
     assert launch_module.PLANNED_WORLD_SIZE_ENV not in os.environ
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_max_restarts_restarts_a_single_worker_that_crashes(tmp_path):
     """The one worker dies once at step 10; it is restarted, resumes from checkpoint 8 and
     ends with the losses of a run that never crashed."""
@@ -53,14 +53,14 @@ def test_max_restarts_restarts_a_single_worker_that_crashes(tmp_path):
     assert losses(run_dir) == losses(reference)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_without_restarts_a_single_worker_crash_fails_the_run(tmp_path):
     env = {**os.environ, **patch_train_step(tmp_path, "self.state.step >= 2", "os._exit(1)")}
     done = subprocess.run(cmd(tmp_path / "run", "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 1 and "worker rank 0 failed" in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     env = {**os.environ, **patch_train_step(
         tmp_path, 'os.environ.get("RANK") == "1"',
@@ -74,7 +74,7 @@ def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     """The worker dies at step 3, before any checkpoint: the restart starts again from
     step 1, and metrics.jsonl keeps only the new attempt's lines."""

@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_every_rank_stops_at_the_same_step_on_host_tensors(tmp_path):
     """Rank 1 is signalled during step 3; both ranks stop at the next boundary (step 4),
     and the agreement only ever reduced CPU tensors (no GPU sync, also on NCCL runs)."""

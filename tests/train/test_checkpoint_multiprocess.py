@@ -13,10 +13,10 @@ from runner.train.checkpoint import complete_checkpoints
 from conftest import patch_train_step
 from conftest import MICRO
 from runner.report.parity import parity_problems, step_records
-from test_checkpoint import (DROPOUT_ON, RUN, kill_9_after_checkpoint, kill_9_at_step, losses, resume_ok,
-                             sigterm_after_first_log)
+from runs import DROPOUT_ON, RUN, losses
+from test_checkpoint import kill_9_after_checkpoint, kill_9_at_step, resume_ok, sigterm_after_first_log
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multiprocess
 
 DDP = ["launch.nproc_per_node=2", "train.per_device_batch_size=2"]  # global batch 4, as single-process RUN
 

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.e2e
 def test_runner_env():
     done = subprocess.run([sys.executable, "-m", "runner", "env"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -38,6 +38,7 @@ def _faults(mode: str) -> int:
     return int(_run(ROUNDS, mode))
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt thresholds are glibc's (Linux)")
 def test_freed_tensors_are_reused_without_new_page_faults():
     default, retained = _faults("default"), _faults("retain")
@@ -83,6 +84,7 @@ def _returned_mb(mode: str) -> float:
     return float(_run(FRAGMENTS, mode))
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt thresholds are glibc's (Linux)")
 def test_retain_off_returns_freed_blocks_that_the_adaptive_threshold_would_keep():
     """launch.retain_freed_memory=false: resident memory follows what the worker holds."""

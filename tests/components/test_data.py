@@ -137,7 +137,7 @@ def _prepare_in_process(train: str, cache: str, results: dict, name: str) -> Non
     results[name] = (data.cache_hit, [r["input_ids"].tolist() for r in data.train])
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_nodes_tokenizing_into_one_shared_cache_build_it_once(tmp_path):
     import multiprocessing
 

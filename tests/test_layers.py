@@ -1,0 +1,16 @@
+"""runner's packages import only downward, with no cycle inside a group: the contracts in
+pyproject.toml, checked by import-linter (the same check as `lint-imports`)."""
+
+from pathlib import Path
+
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_imports_point_one_way_between_packages(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "2 kept, 0 broken" in out
