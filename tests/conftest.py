@@ -29,9 +29,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from runner.config.store import register
 from runner.config.paths import conf_dir
 from runner.config.spec import RunSpec, to_spec
+from runner.config.store import register
 
 # A micro GPT-2 and a few blocks: whole runs in seconds on a 2-core CPU.
 MICRO = [

@@ -18,16 +18,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from transformers import PreTrainedTokenizerBase
 
 from runner.components.data_checks import builder_for
+from runner.config.errors import UserError
 from runner.config.paths import default_cache_dir
 from runner.config.spec import DataSpec
-
-if TYPE_CHECKING:
-    import torch
-    from datasets import Dataset, DatasetDict
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,6 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
 
 def load_raw(data: DataSpec) -> "DatasetDict":
     """Raw text rows with `train` and `validation` splits, as run_clm builds them."""
-    from datasets import DatasetDict, load_dataset
-
     if data.dataset_name:
         raw = load_dataset(data.dataset_name, data.dataset_config_name)
     else:
@@ -111,7 +109,6 @@ def load_raw(data: DataSpec) -> "DatasetDict":
         train = raw["train"]
         n_val = len(train) * data.validation_split_percentage // 100
         raw = DatasetDict(validation=train.select(range(n_val)), train=train.select(range(n_val, len(train))))
-    from runner.config.errors import UserError
 
     if len(raw["validation"]) == 0:
         raise UserError(
@@ -126,8 +123,6 @@ def load_raw(data: DataSpec) -> "DatasetDict":
 def text_column_of(data: DataSpec, columns: list[str]) -> str:
     if data.text_column:
         if data.text_column not in columns:
-            from runner.config.errors import UserError
-
             raise UserError(f"data.text_column='{data.text_column}' is not a column (have: {', '.join(columns)}).")
         return data.text_column
     return "text" if "text" in columns else columns[0]
@@ -172,8 +167,6 @@ def tokenize_and_group(
 
 def _refuse_empty(blocks: "DatasetDict", data: DataSpec, block_size: int) -> None:
     """A split too short for one block cannot train or evaluate; say which and why."""
-    from runner.config.errors import UserError
-
     source = data.train_file or data.dataset_name
     problems = []
     if len(blocks["train"]) == 0:
@@ -241,8 +234,6 @@ def _publish(tmp: Path, path: Path) -> None:
 
 def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
     """Cached blocks for train and validation; builds them if absent."""
-    from datasets import load_from_disk
-
     started = time.perf_counter()
     root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
     path = root / cache_key(data, tokenizer, block_size)
@@ -277,8 +268,6 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
 
 
 def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
-    import torch
-
     input_ids = torch.stack([row["input_ids"] for row in batch])
     # Causal LM: labels are the inputs; the model shifts them by one internally.
     return {"input_ids": input_ids, "labels": input_ids}
@@ -296,7 +285,6 @@ class EpochSampler:
         self.epoch = epoch
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        import torch
 
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(torch.randperm(self.num_samples, generator=generator).tolist())

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 
-from runner.config.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
+import torch
+from transformers import get_scheduler
 
-if TYPE_CHECKING:
-    import torch
+from runner.config.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
 
 
 def param_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict]:
@@ -36,8 +34,6 @@ def effective_lr(spec: OptimSpec, global_batch: int) -> float:
 
 
 def build_optimizer(spec: OptimSpec, model: "torch.nn.Module", lr: float) -> "torch.optim.Optimizer":
-    import torch
-
     return torch.optim.AdamW(
         param_groups(model, spec.weight_decay),
         lr=lr,
@@ -57,8 +53,6 @@ def build_scheduler(
     """Stepped once per optimizer step by the trainer (never prepared by Accelerate,
     which would step it once per process), so the lr at step k is the same at any
     world size."""
-    from transformers import get_scheduler
-
     name = {ScheduleKind.linear: "linear", ScheduleKind.cosine: "cosine", ScheduleKind.constant: "constant_with_warmup"}
     return get_scheduler(
         name[spec.kind],

@@ -9,6 +9,8 @@ import sys
 import typing
 from typing import NoReturn, Sequence
 
+from runner.config.spec import RunSpec
+
 USAGE_EXIT_CODE = 2
 
 
@@ -39,8 +41,6 @@ def exit_with(error: UserError) -> NoReturn:
 
 def _schema_keys(full_key: str) -> list[str]:
     """Field names of the schema node that holds `full_key` (for 'did you mean')."""
-    from runner.config.spec import RunSpec
-
     node: type = RunSpec
     for part in full_key.split(".")[:-1]:
         hints = typing.get_type_hints(node)  # annotations are strings here

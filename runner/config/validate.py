@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from runner.config.batch import accumulation_for
 from runner.config.spec import RunSpec, StrategyKind
 
+
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
     if value is None:
         return

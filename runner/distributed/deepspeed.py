@@ -21,7 +21,10 @@ import torch
 from runner.config.batch import global_batch_size
 from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 from runner.distributed.patches import (
-    DEEPSPEED_FORGET_WORLD_GROUP, ZERO3_RELEASE_GRADIENT_PARTITION, ZERO3_SHARE_FP32_MASTER, engaged,
+    DEEPSPEED_FORGET_WORLD_GROUP,
+    ZERO3_RELEASE_GRADIENT_PARTITION,
+    ZERO3_SHARE_FP32_MASTER,
+    engaged,
 )
 from runner.distributed.strategy import Strategy
 

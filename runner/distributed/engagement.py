@@ -7,17 +7,15 @@ instead of FSDP); runner never does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
+from accelerate import Accelerator
 
 from runner.config.spec import RunSpec
 from runner.distributed.grad_norm import full_value
 from runner.distributed.strategies import build_strategy
 from runner.distributed.strategy import MIXED_PRECISION, Strategy, adamw_name, innermost_optimizer
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
 
 
 class EngagementError(RuntimeError):

@@ -7,17 +7,17 @@ one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check afte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 
 from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, StrategySpec
 from runner.distributed.patches import FSDP2_ON_CPU, engaged
 from runner.distributed.strategy import Strategy
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
 
 # The transformer layer each FSDP unit wraps (Accelerate's transformer_based_wrap); the
 # root is always wrapped too. A model type missing here would be sharded as one unit:
@@ -40,8 +40,6 @@ def mixed_precision_policy(precision: PrecisionSpec) -> Any:
 def fsdp_plugin(strategy: StrategySpec, precision: PrecisionSpec, model_type: str) -> Any:
     """Accelerate's FSDP2 plugin with every field the spec decides set explicitly (left
     unset, the plugin reads FSDP_* environment variables, which an outer launch may set)."""
-    from accelerate import FullyShardedDataParallelPlugin
-
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
         reshard_after_forward=strategy.reshard_after_forward,
@@ -68,9 +66,6 @@ def engage_on_cpu(accelerator: "Accelerator", plugin: Any) -> None:
     Accelerate's FSDP2 code, the same as on a GPU. PartialState keeps its own copy of
     the type, which every AcceleratorState() re-reads, so both are set.
     """
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
     state = accelerator.state
     if state.distributed_type == DistributedType.FSDP or not engaged(FSDP2_ON_CPU):
         return  # a GPU: Accelerate did it (or an unverified Accelerate: the engagement check refuses)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
-from runner.config.spec import RunSpec
+from runner.config.spec import RunSpec, flat_spec_dict, spec_from_yaml, spec_to_yaml
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,6 @@ _LOCAL_FIELDS = ("run_dir", "launch.node_rank")
 
 
 def spec_differences(mine: RunSpec, leader: RunSpec) -> list[str]:
-    from runner.config.spec import flat_spec_dict
-
     a, b = flat_spec_dict(mine), flat_spec_dict(leader)
     return [f"{k}: {a.get(k)!r} here, {b.get(k)!r} on rank 0" for k in sorted(a) if k not in _LOCAL_FIELDS and a.get(k) != b.get(k)]
 
@@ -147,8 +145,6 @@ def spec_differences(mine: RunSpec, leader: RunSpec) -> list[str]:
 def agree_on_spec(mine: Optional[RunSpec]) -> RunSpec:
     """Every rank gets rank 0's spec; a different local spec is an error."""
     import torch.distributed as dist
-
-    from runner.config.spec import spec_from_yaml, spec_to_yaml
 
     rank = dist.get_rank()
     text = broadcast_text(spec_to_yaml(mine) if rank == 0 and mine is not None else None)

@@ -17,16 +17,14 @@ Order of use (runner/train/worker.py, runner/train/trainer.py):
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
+from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 from runner.distributed.grad_norm import clip_and_norm
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
 
 # Accelerate's name for each precision.
 MIXED_PRECISION = {PrecisionKind.fp32: "no", PrecisionKind.bf16: "bf16", PrecisionKind.fp16: "fp16"}

@@ -16,6 +16,7 @@ import yaml
 
 from runner.config.errors import UserError
 from runner.config.spec import OffloadDevice, PrecisionKind, RunSpec, StrategyKind
+from runner.distributed.fsdp import LAYER_CLASSES
 
 # accelerate config key -> the runner override that does the same.
 ACCELERATE_KEYS: dict[str, str] = {
@@ -117,8 +118,6 @@ def _flag(value: Any, key: str) -> bool:
 
 def _apply_fsdp(spec: RunSpec, fsdp: dict[str, Any], filename: str) -> list[str]:
     """fsdp_config (FSDP2 only) -> strategy=fsdp and its settings; notes on the rest."""
-    from runner.distributed.fsdp import LAYER_CLASSES
-
     version = int(fsdp.get("fsdp_version", 1))  # accelerate's default when the key is absent
     if version != 2:
         raise UserError(

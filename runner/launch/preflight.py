@@ -18,13 +18,19 @@ import torch
 from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
 from runner.components.model import (
-    build_config, build_tokenizer, check_sources, hub_reachable, max_positions, tokenizer_source,
+    build_config,
+    build_tokenizer,
+    check_sources,
+    hub_reachable,
+    max_positions,
+    tokenizer_source,
 )
 from runner.config.errors import UserError
 from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
-from runner.distributed.strategy import MIXED_PRECISION
 from runner.distributed.fsdp import LAYER_CLASSES
+from runner.distributed.strategy import MIXED_PRECISION
+
 
 def check_data_files(spec: RunSpec) -> list[str]:
     """The data's files, cache folder, or hub dataset are there to be read."""

@@ -12,6 +12,9 @@ import socket
 import time
 from typing import Optional
 
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
 from runner.config.errors import UserError
 from runner.config.spec import LaunchSpec
 
@@ -36,8 +39,6 @@ def check_endpoint(launch: LaunchSpec, endpoint: str) -> None:
     Node 0 must be able to listen at the endpoint (it hosts the store there); every other
     node waits, at most launch.rdzv_timeout seconds, for the endpoint to accept connections.
     """
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
     host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
     try:
         address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -72,8 +73,6 @@ def check_endpoint(launch: LaunchSpec, endpoint: str) -> None:
 
 def rendezvous_failure(launch: LaunchSpec, endpoint: str, err: Optional[Exception]) -> str:
     """One line for a rendezvous that failed (err None: the endpoint never answered)."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-
     if err is None or isinstance(err, RendezvousConnectionError):
         what = f"nothing answered at launch.rdzv_endpoint={endpoint}"
     elif isinstance(err, RendezvousTimeoutError):

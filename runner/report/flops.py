@@ -15,6 +15,8 @@ import re
 import time
 from typing import Any, Optional
 
+import torch
+
 from runner.config.paths import default_cache_dir
 
 # Dense peak TFLOPS per GPU from NVIDIA's datasheets (sparsity figures halved), by the
@@ -59,8 +61,6 @@ def gpu_peak_tflops(name: str, dtype_name: str, tf32: bool) -> Optional[float]:
 def tf32_enabled() -> bool:
     """Whether fp32 matmuls on a GPU run on TF32 tensor cores (torch's default: no).
     runner leaves this setting alone, so fp32 runs are full fp32 and counted as such."""
-    import torch
-
     return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -79,8 +79,6 @@ def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:
     `seconds` (at least three, the first a warm-up), so a moment of other work on the
     cores costs one matmul, not the figure. 512 x 512 keeps one matmul short where a
     dtype has no fast kernel (bf16 without AVX512-BF16: ~0.3 s, against ~4 ms in fp32)."""
-    import torch
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     local = torch.Generator().manual_seed(0)  # the global RNG streams are not touched
     a = torch.randn(size, size, generator=local).to(dtype)
@@ -102,8 +100,6 @@ def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
     that shared the cores with other work reads low, and a low peak inflates MFU. Caching
     the first probe alone kept such a figure for good (measured here: fp32 15.8 GFLOP/s
     cached under load, 65.6 on the quiet machine, so every later MFU read 4x high)."""
-    import torch
-
     kind = getattr(device, "type", str(device))
     if kind == "cuda":
         peak = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype_name, tf32_enabled())

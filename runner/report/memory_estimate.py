@@ -8,7 +8,6 @@ from typing import Optional
 
 from runner.distributed.deepspeed import zero_sizes
 
-
 # The strategies the dry run compares and bench/strategy_memory.py measures; which of
 # them shard gradients with optimizer state, and parameters too. A new strategy is one
 # name here (and its buffers in _buffers).

@@ -8,6 +8,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+from tqdm.auto import tqdm
+
 METRICS_FILENAME = "metrics.jsonl"
 
 
@@ -39,8 +42,6 @@ class Progress:
     def __init__(self, total: int, enabled: bool, initial: int = 0) -> None:
         self.bar = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
 
     def update(self, n: int = 1, **postfix: Any) -> None:
@@ -72,8 +73,6 @@ def window_peak_memory_mb(device: Any = None) -> float:
     CUDA's peak *reserved* memory (allocated plus the caching allocator's cache: what
     the driver gave this process, what an out-of-memory error depends on), then the
     counter is reset. On a CPU: the process's peak RSS, which the OS cannot reset."""
-    import torch
-
     if not _is_cuda(device):
         return peak_memory_mb(device)
     peak = torch.cuda.max_memory_reserved(device) / 2**20
@@ -85,8 +84,6 @@ def window_peak_memory_mb(device: Any = None) -> float:
 
 def peak_memory_mb(device: Any = None) -> float:
     """Peak memory of this rank over the run: CUDA max reserved on a GPU, else the process's peak RSS."""
-    import torch
-
     if _is_cuda(device):
         return max(_run_peak_mb.get(str(device), 0.0), torch.cuda.max_memory_reserved(device) / 2**20)
     import resource
@@ -96,8 +93,6 @@ def peak_memory_mb(device: Any = None) -> float:
 
 def current_memory_mb(device: Any = None) -> float:
     """Memory this rank holds now: CUDA reserved on a GPU, else the process's resident set."""
-    import torch
-
     if _is_cuda(device):
         return torch.cuda.memory_reserved(device) / 2**20
     try:

@@ -18,7 +18,7 @@ from runner.distributed.world import world_size
 from runner.launch.start import start
 from runner.sweep.resume import Action, continue_command, has_results, plan_job, write_record
 from runner.sweep.status import write_job_status
-from runner.train.signals import EXIT_CODES, hold_again, held_signal
+from runner.train.signals import EXIT_CODES, held_signal, hold_again
 
 
 def run_sweep_job(make_spec: Callable[[], RunSpec], job_dir: Path, sweep_dir: Path, num: int, overrides: list[str],

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from runner.components.model import build_config
+from runner.config.errors import UserError
+from runner.config.spec import load_spec
 from runner.config.validate import parity_baseline_problems
 from runner.report.parity import GRAD_NORM_RTOL, LOSS_ATOL, parity_problems, step_records
 
@@ -99,9 +102,6 @@ def job_model_config(job_dir: Path) -> Optional[dict[str, Any]]:
     spec_path = job_dir / "run_spec.yaml"
     if not spec_path.exists():
         return None
-    from runner.config.errors import UserError
-    from runner.components.model import build_config
-    from runner.config.spec import load_spec
 
     try:
         return build_config(load_spec(spec_path).model).to_dict()
@@ -111,8 +111,6 @@ def job_model_config(job_dir: Path) -> Optional[dict[str, Any]]:
 
 def baseline_setting(sweep_dir: Path, jobs: Sequence[Job]) -> Optional[str]:
     """`sweep.parity_baseline` as the jobs' frozen specs hold it (the same in every job)."""
-    from runner.config.spec import load_spec
-
     for job in jobs:
         path = sweep_dir / job.name / "run_spec.yaml"
         if path.exists():

@@ -23,11 +23,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from runner.train.checkpoint import latest_checkpoint, read_marker
 from runner.config.errors import UserError
-from runner.launch.rundir import existing_results
 from runner.config.spec import SPEC_FILENAME, RunSpec, load_spec
+from runner.launch.rundir import existing_results
 from runner.sweep.status import JOB_STATUS, job_status
+from runner.train.checkpoint import latest_checkpoint, read_marker
+from runner.train.resume import compare
 
 RECORDS_DIRNAME = ".sweep_runs"
 
@@ -45,8 +46,6 @@ def has_results(job_dir: Path) -> bool:
 
 def check_kept(job_dir: Path, spec: RunSpec, world: int) -> None:
     """A finished job is kept only if this sweep would compute the same thing."""
-    from runner.train.resume import compare
-
     saved = job_dir / SPEC_FILENAME
     if not saved.is_file():
         return  # finished before specs were frozen: nothing to compare against

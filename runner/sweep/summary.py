@@ -22,8 +22,12 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
-from runner.sweep.status import JOB_STATUS
+from runner.config.errors import UserError, exit_with
+from runner.report.plots import read_metrics
 from runner.sweep.parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
+from runner.sweep.resume import begin_sweep, read_records
+from runner.sweep.status import JOB_STATUS
+from runner.train.signals import hold_signals
 
 COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
 
@@ -53,8 +57,6 @@ def _overrides(job_dir: Path) -> list[str]:
 
 
 def collect(sweep_dir: Path) -> list[JobRow]:
-    from runner.sweep.resume import read_records
-
     rows = []
     records = read_records(sweep_dir)
     jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (
@@ -124,8 +126,6 @@ def plot(rows: list[JobRow], sweep_dir: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from runner.report.plots import read_metrics
-
     labels = _varying(rows)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in rows:
@@ -165,10 +165,6 @@ class SweepSummary(Callback):
     job, write and print the sweep's summary."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from runner.config.errors import UserError, exit_with
-        from runner.train.signals import hold_signals
-        from runner.sweep.resume import begin_sweep
-
         try:
             begin_sweep(Path(config.hydra.sweep.dir), config.get("resume"), bool(config.get("overwrite")))
         except UserError as err:

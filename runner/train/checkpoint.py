@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from accelerate import Accelerator
+from accelerate import Accelerator
+
+from runner.config.errors import UserError
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE.json"
@@ -69,8 +70,6 @@ def save_checkpoint(
 
 def read_marker(path: Path) -> dict[str, Any]:
     """The loop state saved with a checkpoint; a damaged marker is a clear error."""
-    from runner.config.errors import UserError
-
     try:
         marker = json.loads((path / COMPLETE_MARKER).read_text())
         if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
@@ -91,8 +90,6 @@ def is_complete(path: Path) -> bool:
 
 def load_checkpoint(accelerator: "Accelerator", path: Path) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG states; returns the loop state saved with them."""
-    from runner.config.errors import UserError
-
     try:
         meta = read_marker(path)
         accelerator.load_state(str(path))

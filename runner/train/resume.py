@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from runner.train.checkpoint import CHECKPOINTS_DIRNAME, is_complete, latest_checkpoint
-from runner.config.errors import UserError
 from runner.config.batch import global_batch
+from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
+from runner.train.checkpoint import CHECKPOINTS_DIRNAME, is_complete, latest_checkpoint, read_marker
 
 HARMLESS = (
     "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
@@ -113,7 +113,6 @@ def check_resume(
         old = load_spec(saved_spec)
     except Exception as err:
         raise UserError(f"checkpoint {path}: its {SPEC_FILENAME} is unreadable ({err}).") from None
-    from runner.train.checkpoint import read_marker
 
     marker = read_marker(path)
     breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, train_samples, marker)

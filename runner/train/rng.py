@@ -25,10 +25,9 @@ Each rank's random state is seeded, saved and restored like this:
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from accelerate.utils import set_seed
 
 
 def training_stream_seed(seed: int) -> int:
@@ -39,13 +38,9 @@ def training_stream_seed(seed: int) -> int:
 
 def seed_training_stream(seed: int) -> None:
     """Re-seed every global generator on this rank for the training loop (step 2 above)."""
-    from accelerate.utils import set_seed
-
     set_seed(training_stream_seed(seed))
 
 
 def loader_generator(seed: int) -> "torch.Generator":
     """A private generator for a DataLoader's per-iterator seed (step 3 above)."""
-    import torch
-
     return torch.Generator().manual_seed(seed)

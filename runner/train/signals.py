@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from accelerate import Accelerator
+import torch
+from accelerate import Accelerator
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
 
@@ -86,7 +86,6 @@ class StopRequest:
         (the same answer on every rank)."""
         if accelerator.num_processes == 1:
             return self.signum
-        import torch
         import torch.distributed as dist
 
         if self._group is None:

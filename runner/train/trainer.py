@@ -12,20 +12,18 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
 
-from runner.distributed.strategy import Strategy
-from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
-from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
-from runner.train.plan import RunPlan
-from runner.train.signals import StopRequest, Stopped
 from runner.config.spec import PrecisionSpec
-
-if TYPE_CHECKING:
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
+from runner.distributed.strategy import Strategy
+from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
+from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+from runner.train.plan import RunPlan
+from runner.train.signals import Stopped, StopRequest
 
 log = logging.getLogger("runner")
 
