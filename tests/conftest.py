@@ -152,8 +152,8 @@ def _tier(item: pytest.Item) -> str:
 
 
 class TierGuard:
-    """Notes what a test starts: child processes (their command lines), spawned
-    multiprocessing workers, and in-process training runs."""
+    """Notes what a test, or a fixture it uses, starts: child processes (their command
+    lines), spawned multiprocessing workers, and in-process training runs."""
 
     def __init__(self) -> None:
         self.commands: list[str] = []
@@ -169,37 +169,66 @@ class TierGuard:
         return "e2e" if self.commands or self.trained else "unit"
 
 
-@pytest.fixture(autouse=True)
-def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+_ACTIVE: list[TierGuard] = []  # the test's guard, and a fixture's while it is set up
+_FIXTURE_TIER: dict[str, str] = {}  # what setting up each fixture cost (a module fixture's run counts for its tests)
+
+
+def _costlier(*tiers: str) -> str:
+    return max(tiers, key=TIERS.index)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Wrap what starts processes or trains, once for the session, noting it on the
+    innermost active guard."""
     import runner.train.worker as worker
 
-    guard = TierGuard()
     popen_init, process_start, train = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start, worker.train
 
     def noting_popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
         command = args if isinstance(args, str) else " ".join(map(str, args))
-        if Path(command.split(" ", 1)[0]).name not in _TOOLS:
-            guard.commands.append(command)
+        if _ACTIVE and Path(command.split(" ", 1)[0]).name not in _TOOLS:
+            _ACTIVE[-1].commands.append(command)
         popen_init(self, args, *rest, **kwargs)
 
     def noting_start(self: Any) -> None:
-        guard.spawned += 1
+        if _ACTIVE:
+            _ACTIVE[-1].spawned += 1
         process_start(self)
 
     def noting_train(*args: Any, **kwargs: Any) -> Any:
-        guard.trained += 1
+        if _ACTIVE:
+            _ACTIVE[-1].trained += 1
         return train(*args, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", noting_popen)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", noting_start)
-    monkeypatch.setattr(worker, "train", noting_train)
+    subprocess.Popen.__init__ = noting_popen  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = noting_start  # type: ignore[method-assign]
+    worker.train = noting_train
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Iterator[None]:
+    guard = TierGuard()
+    _ACTIVE.append(guard)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(guard)
+        _FIXTURE_TIER[fixturedef.argname] = _costlier(_FIXTURE_TIER.get(fixturedef.argname, "unit"), guard.needed())
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    guard = TierGuard()
+    _ACTIVE.append(guard)
     yield
-    needed, marked = guard.needed(), _tier(request.node)
+    _ACTIVE.remove(guard)
+    fixtures = [_FIXTURE_TIER.get(name, "unit") for name in request.fixturenames]
+    needed, marked = _costlier(guard.needed(), *fixtures), _tier(request.node)
     report = os.environ.get("RUNNER_TIER_REPORT")  # a file: note each test's tier there, for re-marking
     if report:
         with open(report, "a") as out:
             out.write(f"{request.node.nodeid}\t{marked}\t{needed}\t{guard.commands[:2]}\n")
     if not report and TIERS.index(needed) > TIERS.index(marked):
         pytest.fail(f"this test is marked {marked} but costs {needed} (started: {guard.commands[:3]}, "
-                    f"{guard.spawned} spawned workers, {guard.trained} in-process runs): mark it "
-                    f"@pytest.mark.{needed}", pytrace=False)
+                    f"{guard.spawned} spawned workers, {guard.trained} in-process runs, fixtures {fixtures}): "
+                    f"mark it @pytest.mark.{needed}", pytrace=False)

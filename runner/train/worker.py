@@ -201,9 +201,11 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     t = spec.train
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
-        swapped = " (DeepSpeed's, for strategy.offload_optimizer; optim.fused does not apply)" if "DeepSpeed" in optimizer_in_use else ""
-        lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}{swapped}"]
-        lines += [f"  note           {note}" for note in fence_notes({"torch", "accelerate", strategy.library})]
+        # What the strategy does that the spec's keys do not say (as in run_spec.yaml), and
+        # each private patch left out on this machine's library versions.
+        notes = strategy.spec_notes(spec.optim.fused) + fence_notes({"torch", "accelerate", strategy.library})
+        lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}"]
+        lines += [f"  note           {note}" for note in notes]
         log.info("\n".join(lines))
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see runner/components/optim.py), so saved explicitly
     device_peak = peak_flops(accelerator.device, spec.precision.kind.value)

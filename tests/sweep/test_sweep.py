@@ -28,6 +28,7 @@ def mixed_sweep(tmp_path_factory):
     return sweep_dir, done
 
 
+@pytest.mark.e2e
 def test_every_combination_has_its_own_folder(mixed_sweep):
     sweep_dir, _ = mixed_sweep
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and (p / "job_status.json").exists())
@@ -36,6 +37,7 @@ def test_every_combination_has_its_own_folder(mixed_sweep):
     assert len(ok) == 2 and all((p / "all_results.json").exists() for p in ok)
 
 
+@pytest.mark.e2e
 def test_failed_jobs_are_recorded_and_the_sweep_goes_on(mixed_sweep):
     sweep_dir, done = mixed_sweep
     assert done.returncode == 1  # the sweep finished, and says some jobs failed
@@ -51,6 +53,7 @@ def test_failed_jobs_are_recorded_and_the_sweep_goes_on(mixed_sweep):
             assert float(r["eval_loss"]) > 0 and float(r["perplexity"]) > 1 and float(r["wall_s"]) > 0
 
 
+@pytest.mark.e2e
 def test_summary_files_and_printed_table(mixed_sweep):
     sweep_dir, done = mixed_sweep
     assert (sweep_dir / "loss_curves.png").stat().st_size > 10_000
