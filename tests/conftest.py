@@ -145,6 +145,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
         elif len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
+        # Under `-n 2 --dist loadgroup` (CI's command), the cluster tier runs on a worker of
+        # its own while the other worker runs every other test in order: the cluster's
+        # Slurm start-up and job polling overlap the rest instead of adding to it.
+        item.add_marker(pytest.mark.xdist_group("cluster" if item.get_closest_marker("cluster") else "main"))
 
 
 def _tier(item: pytest.Item) -> str:
