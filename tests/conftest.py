@@ -138,6 +138,7 @@ _TOOLS = {"gcc", "g++", "cc", "c++", "ld", "ninja", "nvcc", "uname", "ldconfig",
 _CLUSTER = ("srun", "sbatch", "squeue", "scontrol", "sacct", "ip netns", "test-cluster.sh", "nsenter")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
@@ -145,10 +146,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
         elif len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
-        # Under `-n 2 --dist loadgroup` (CI's command), the cluster tier runs on a worker of
-        # its own while the other worker runs every other test in order: the cluster's
-        # Slurm start-up and job polling overlap the rest instead of adding to it.
-        item.add_marker(pytest.mark.xdist_group("cluster" if item.get_closest_marker("cluster") else "main"))
+        # Under `-n 2 --dist loadgroup` (CI's command) the tests are shared between two
+        # workers, except the cluster tier, which stays on one: its session fixture brings
+        # up the one Slurm cluster this machine can hold.
+        if item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 def _tier(item: pytest.Item) -> str:
