@@ -54,7 +54,7 @@ def build_accelerator(
         model_type=model_type,
     )
     handlers: list[Any] = []
-    if strategy.needs_process_group() or world_size > 1 or "fsdp_plugin" in options:
+    if strategy.needs_process_group() or world_size > 1:
         # Passing a backend makes Accelerate initialise a process group: only when distributed.
         backend = "nccl" if cuda else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timedelta(minutes=timeout_minutes)))
@@ -73,7 +73,7 @@ def build_accelerator(
     return accelerator
 
 
-def describe(accelerator: "Accelerator") -> dict[str, Any]:
+def describe(accelerator: Accelerator) -> dict[str, Any]:
     """What is in effect, for the banner and checks."""
     state = accelerator.state
     return {

@@ -114,6 +114,9 @@ class FSDPStrategy(Strategy):
         super().__init__(spec, precision)
         self.plugin: Any = None
 
+    def needs_process_group(self) -> bool:
+        return True  # fully_shard needs a device mesh over a process group, even of one rank
+
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
                             model_type: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 from runner.distributed.grad_norm import clip_and_norm
+from runner.distributed.patches import fence_notes
 
 # Accelerate's name for each precision.
 MIXED_PRECISION = {PrecisionKind.fp32: "no", PrecisionKind.bf16: "bf16", PrecisionKind.fp16: "fp16"}
@@ -61,12 +62,18 @@ class Strategy:
 
     # ------------------------------------------------------------ the launcher
     def needs_process_group(self) -> bool:
-        """True when even one process needs a process group (DeepSpeed always does)."""
+        """True when even one process needs a process group (DeepSpeed always does; FSDP2
+        shards over one)."""
         return False
 
     def spec_notes(self, fused: bool) -> list[str]:
-        """What the strategy will do that the spec's keys do not say, for run_spec.yaml."""
+        """What the strategy will do that the spec's keys do not say."""
         return []
+
+    def notes(self, fused: bool) -> list[str]:
+        """What run_spec.yaml and the start banner say beside the spec: the strategy's own
+        notes, and each private patch of the libraries it uses left out on this machine."""
+        return self.spec_notes(fused) + fence_notes({"torch", "accelerate", self.library})
 
     # ------------------------------------------------------------ the Accelerator
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,

@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, save_spec
-from runner.distributed.patches import fence_notes
 from runner.distributed.strategies import build_strategy
 
 # What a run writes. A folder holding any of these holds somebody's results.
@@ -65,9 +64,7 @@ def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
 def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:
     """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/."""
     spec_path = run_dir / SPEC_FILENAME
-    strategy = build_strategy(spec.strategy, spec.precision)
-    notes = strategy.spec_notes(spec.optim.fused) + fence_notes({"torch", "accelerate", strategy.library})
-    save_spec(spec, spec_path, notes=notes)
+    save_spec(spec, spec_path, notes=build_strategy(spec.strategy, spec.precision).notes(spec.optim.fused))
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
     if composed is not None:

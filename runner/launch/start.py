@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from runner.config.batch import accumulation_for
 from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
-from runner.config.spec import StrategyKind
+from runner.config.spec import RunSpec, StrategyKind
 from runner.config.validate import check_launch
 from runner.distributed.process_group import slurm_node_launch
 from runner.distributed.world import world_size
@@ -38,14 +38,15 @@ def apply_slurm_nodes(spec: Any) -> None:
 
 
 def start(
-    spec: Any,
+    spec: RunSpec,
     run_dir: Path,
     overwrite: bool,
     composed: Any = None,
     overrides: tuple[str, ...] = (),
     run_dir_chosen: bool = True,
 ) -> None:
-    """Validate, claim the run folder, freeze the spec, launch. Shared by both entries."""
+    """Validate, claim the run folder, freeze the spec, launch. Used by `runner ...`,
+    `runner --spec` and each sweep job."""
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
             raise UserError("strategy=accelerate_config needs its file: add strategy.config_file=path/to/accelerate_config.yaml")

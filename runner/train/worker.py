@@ -40,7 +40,6 @@ from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged, check_in_sync, rank_fingerprints
-from runner.distributed.patches import fence_notes
 from runner.distributed.process_group import agree_on_spec, init_process_group
 from runner.distributed.strategies import build_strategy
 from runner.distributed.strategy import Strategy
@@ -201,11 +200,8 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     t = spec.train
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
-        # What the strategy does that the spec's keys do not say (as in run_spec.yaml), and
-        # each private patch left out on this machine's library versions.
-        notes = strategy.spec_notes(spec.optim.fused) + fence_notes({"torch", "accelerate", strategy.library})
         lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}"]
-        lines += [f"  note           {note}" for note in notes]
+        lines += [f"  note           {note}" for note in strategy.notes(spec.optim.fused)]  # as in run_spec.yaml
         log.info("\n".join(lines))
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see runner/components/optim.py), so saved explicitly
     device_peak = peak_flops(accelerator.device, spec.precision.kind.value)
