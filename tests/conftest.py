@@ -146,9 +146,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
         elif len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
-        # Under `-n 2 --dist loadgroup` (CI's command) the tests are shared between two
-        # workers, except the cluster tier, which stays on one: its session fixture brings
-        # up the one Slurm cluster this machine can hold.
+        # Under `-n N --dist loadgroup` the cluster tier stays on one worker: its session
+        # fixture brings up the one Slurm cluster this machine can hold. (CI runs it alone.)
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group("cluster"))
 
