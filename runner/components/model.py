@@ -95,6 +95,19 @@ def build_config(spec: ModelSpec) -> "PretrainedConfig":
     return config
 
 
+def active_dropout(config: "PretrainedConfig") -> dict[str, float]:
+    """The config's dropout probabilities above zero that a causal LM uses (GPT-2's
+    resid/embd/attn_pdrop, Llama's attention_dropout, ...), by name. Heads a causal LM
+    does not build (GPT-2's summary_first_dropout, classifier_dropout) are left out."""
+    found = {}
+    for key, value in config.to_dict().items():
+        if key.startswith(("summary_", "classifier_")) or isinstance(value, bool):
+            continue
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            found[key] = float(value)
+    return found
+
+
 def max_positions(config: "PretrainedConfig") -> Optional[int]:
     for key in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, key, None)

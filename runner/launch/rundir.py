@@ -22,6 +22,7 @@ RESULT_NAMES: tuple[str, ...] = (
     "loss_curves.png",
     "model",
     "checkpoints",
+    "abandoned",  # branches a resume from an older checkpoint set aside (runner/train/resume.py)
     "run.log",
     "tensorboard",
     ".hydra",

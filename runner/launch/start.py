@@ -25,7 +25,7 @@ from runner.launch.dry_run import report
 from runner.launch.launcher import launch
 from runner.launch.preflight import prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
-from runner.train.resume import check_resume
+from runner.train.resume import ResumePlan, check_resume, set_aside_newer_branch
 from runner.train.signals import EXIT_CODES
 
 
@@ -74,9 +74,11 @@ def start(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
             "(the same on every node's command line)."
         )
-    checkpoint, notes = (
-        check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else (None, [])
-    )
+    resume = check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else ResumePlan()
+    if resume.finished:
+        sys.stderr.write(f"runner: {resume.finished}\n")  # before anything is written: the folder stays byte-identical
+        return
+    checkpoint, notes = resume.checkpoint, list(resume.notes)
     if spec.launch.node_rank > 0:
         # Node 0 owns the run folder; this node's workers only need the spec.
         spec_path = freeze(spec, Path(tempfile.mkdtemp(prefix=f"runner-node{spec.launch.node_rank}-")))
@@ -88,6 +90,9 @@ def start(
             why = "; resume=auto found no checkpoint in it to continue from" if checkpoint is None else (
                 f"; resume={spec.resume} is another folder's checkpoint")
         prepare_run_dir(run_dir, overwrite, continuing=continuing, why=why)
+        if continuing:
+            aside = set_aside_newer_branch(run_dir.resolve(), checkpoint, int(resume.marker["step"]))
+            notes += [aside] if aside else []
         spec_path = freeze(spec, run_dir, composed, overrides)
     for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
         sys.stderr.write(f"runner: {note}\n")

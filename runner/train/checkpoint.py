@@ -16,6 +16,7 @@ from typing import Any, Optional
 from accelerate import Accelerator
 
 from runner.config.errors import UserError
+from runner.train.rng import restore_random_states
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE.json"
@@ -90,12 +91,14 @@ def is_complete(path: Path) -> bool:
 
 def load_checkpoint(accelerator: "Accelerator", path: Path) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG states; returns the loop state saved with them."""
+    meta = read_marker(path)
     try:
-        meta = read_marker(path)
         accelerator.load_state(str(path))
     except Exception as err:  # a truncated or tampered file: never continue half-restored
         raise UserError(
             f"checkpoint {path} is unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
             f"Resume from an older one (resume=PATH) or start a new run."
         ) from None
+    # load_state only logs a random state it could not read; this raises, naming the file.
+    restore_random_states(path, accelerator.process_index, int(meta.get("world_size", accelerator.num_processes)))
     return meta

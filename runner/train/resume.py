@@ -2,19 +2,37 @@
 
 Changes that break the math (model, data, global batch, strategy, world size,
 optimizer, schedule, precision, seed) are refused; harmless ones (max_steps,
-num_epochs, log/eval/save cadence, eval batch size, dataloader workers) are
-accepted and reported.
+num_epochs, log/eval/save cadence, eval batch size, dataloader workers) and a new
+layout of the same global batch are accepted and reported. A run that is already
+finished is left alone, and a resume from an older checkpoint of the folder sets the
+newer branch aside rather than deleting it (`set_aside_newer_branch`).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
-from runner.train.checkpoint import CHECKPOINTS_DIRNAME, is_complete, latest_checkpoint, read_marker
+from runner.train.checkpoint import (
+    CHECKPOINTS_DIRNAME,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    read_marker,
+)
+from runner.train.plan import batches_per_rank, steps_per_epoch, total_steps
+from runner.train.rng import random_state_file, read_random_states
+
+ABANDONED_DIRNAME = "abandoned"  # a newer branch a resume from an older checkpoint set aside
+# What a finished run leaves beside its checkpoints: set aside with its branch.
+BRANCH_RESULTS = ("all_results.json", "train_results.json", "eval_results.json", "loss_curves.png", "model")
 
 HARMLESS = (
     "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
@@ -33,6 +51,11 @@ def _layout(spec: RunSpec, world: int) -> tuple[int, int, int]:
     return world, spec.train.per_device_batch_size, spec.train.grad_accum_steps
 
 
+def describe_layout_change(old: RunSpec, new: RunSpec, old_world: int, new_world: int) -> str:
+    before, after = _layout(old, old_world), _layout(new, new_world)
+    return f"{'x'.join(map(str, before))} -> {'x'.join(map(str, after))} (processes x per-device batch x accumulation)"
+
+
 def layout_change_problems(
     old: RunSpec, new: RunSpec, old_world: int, new_world: int, train_samples: Optional[int], marker: dict
 ) -> list[str]:
@@ -41,7 +64,7 @@ def layout_change_problems(
     before, after = _layout(old, old_world), _layout(new, new_world)
     if before == after:
         return []
-    shown = f"{'x'.join(map(str, before))} -> {'x'.join(map(str, after))} (processes x per-device batch x accumulation)"
+    shown = describe_layout_change(old, new, old_world, new_world)
     problems = []
     if old_world != new_world and old.strategy.kind.value != "ddp":
         problems.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO and FSDP shards are per rank)")
@@ -68,14 +91,18 @@ def compare(
     a, b = flat_spec_dict(old), flat_spec_dict(new)
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key) or key in LAYOUT_KEYS:
+        if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key == "resume":  # resume=...: how, not what
             continue
         (harmless if key in HARMLESS else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
         breaking.append(f"global batch: {old_batch} -> {new_batch}")
     else:
-        breaking += layout_change_problems(old, new, old_world, new_world, train_samples, marker or {})
+        problems = layout_change_problems(old, new, old_world, new_world, train_samples, marker or {})
+        breaking += problems
+        if not problems and _layout(old, old_world) != _layout(new, new_world):
+            harmless.append(f"layout {describe_layout_change(old, new, old_world, new_world)}, "
+                            f"the same global batch of {new_batch}")
     return breaking, harmless
 
 
@@ -99,13 +126,24 @@ def describe_fresh_start(run_dir: Path) -> str:
     return f"resume=auto: no checkpoint in {run_dir}; starting fresh."
 
 
+@dataclass
+class ResumePlan:
+    """What the launcher does about resume=...: the checkpoint (None: start fresh), the
+    notes to print, and `finished`, the message for a run with nothing left to do."""
+
+    checkpoint: Optional[Path] = None
+    notes: list[str] = field(default_factory=list)
+    marker: dict[str, Any] = field(default_factory=dict)
+    finished: Optional[str] = None
+
+
 def check_resume(
     spec: RunSpec, run_dir: Path, world_size: int, train_samples: Optional[int] = None
-) -> tuple[Optional[Path], list[str]]:
+) -> ResumePlan:
     """Launcher-side: the checkpoint and notes to print, or a UserError naming what changed."""
     path = resolve(spec, run_dir)
     if path is None:
-        return None, ([describe_fresh_start(run_dir)] if spec.resume == "auto" else [])
+        return ResumePlan(notes=[describe_fresh_start(run_dir)] if spec.resume == "auto" else [])
     saved_spec = path / SPEC_FILENAME
     if not saved_spec.is_file():
         raise UserError(f"checkpoint {path} has no {SPEC_FILENAME}; it cannot be checked against this run.")
@@ -121,6 +159,70 @@ def check_resume(
             f"cannot resume {path}: these changes would break the run's math: {'; '.join(breaking)}. "
             "Undo them, or start a new run folder."
         )
+    old_world = int(marker.get("world_size", world_size))
+    for file in sorted({random_state_file(path, rank, old_world) for rank in range(world_size)}):
+        read_random_states(file)  # a missing or torn one is named now, not found by one rank mid-start
     notes = [f"resuming from {path} (step {marker.get('step')})"]
     notes += [f"resume: accepted change {h}" for h in harmless]
-    return path, notes
+    return ResumePlan(path, notes, marker, finished_message(spec, run_dir, path, marker, world_size, train_samples))
+
+
+def planned_total_steps(spec: RunSpec, world_size: int, train_samples: Optional[int], marker: dict[str, Any]) -> Optional[int]:
+    """The step this spec trains to, as the worker will plan it (None: unknown here)."""
+    t = spec.train
+    if t.max_steps is not None:
+        return t.max_steps
+    if train_samples is not None:
+        per_epoch = steps_per_epoch(batches_per_rank(train_samples, t.per_device_batch_size, world_size), t.grad_accum_steps)
+    elif "steps_per_epoch" in marker:
+        per_epoch = int(marker["steps_per_epoch"])  # the same global batch, the same samples
+    else:
+        return None
+    return total_steps(None, t.num_epochs, per_epoch)
+
+
+def _results_step(run_dir: Path) -> Optional[int]:
+    """The step the folder's all_results.json was written at (None: no readable results)."""
+    try:
+        return int(json.loads((run_dir / "all_results.json").read_text())["train_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def finished_message(spec: RunSpec, run_dir: Path, checkpoint: Path, marker: dict[str, Any], world_size: int,
+                     train_samples: Optional[int]) -> Optional[str]:
+    """Why there is nothing to do, when this folder's run already ended at its newest
+    checkpoint and this spec asks for no more steps (a requeued Slurm job that always
+    passes resume=auto); None when there is training (or a final evaluation) left."""
+    if checkpoint.parent != run_dir / CHECKPOINTS_DIRNAME or checkpoint != latest_checkpoint(run_dir):
+        return None
+    step, total = int(marker["step"]), planned_total_steps(spec, world_size, train_samples, marker)
+    if total is None or step < total or _results_step(run_dir) != step:
+        return None  # more steps to take, or the results were never written (a kill after the last save)
+    past = "" if step == total else f" (past this spec's {total})"
+    return (f"the run in {run_dir} is finished: step {step}{past}, results in all_results.json. Nothing to do; "
+            "every file is left as it was. To train further, raise train.max_steps (or train.num_epochs) with resume=auto.")
+
+
+def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Optional[str]:
+    """Resuming from an older checkpoint of this folder starts a new branch: move the
+    newer checkpoints, and the results written after `step`, under abandoned/ (never
+    deleted: pruning would otherwise remove the new branch's first checkpoint, and
+    resume=auto would continue the old one). Returns the note to print, or None."""
+    newer = [p for p in complete_checkpoints(run_dir) if int(p.name[5:]) > step]
+    results_step = _results_step(run_dir)
+    results = [run_dir / n for n in BRANCH_RESULTS if (run_dir / n).exists()] if (results_step or 0) > step else []
+    if checkpoint.parent != run_dir / CHECKPOINTS_DIRNAME or not (newer or results):
+        return None
+    aside = run_dir / ABANDONED_DIRNAME / f"after_step_{step}_{time.strftime('%Y%m%dT%H%M%S')}"
+    (aside / CHECKPOINTS_DIRNAME).mkdir(parents=True)
+    for path in newer:
+        path.rename(aside / CHECKPOINTS_DIRNAME / path.name)
+    for path in results:
+        path.rename(aside / path.name)
+    moved = [p.name for p in newer] + [p.name for p in results]
+    if (run_dir / "metrics.jsonl").exists():  # the worker cuts the folder's copy back to `step`
+        shutil.copy2(run_dir / "metrics.jsonl", aside / "metrics.jsonl")
+        moved.append("a copy of metrics.jsonl")
+    newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
+    return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"

@@ -19,15 +19,29 @@ Each rank's random state is seeded, saved and restored like this:
    torch, CUDA, Python and NumPy states (`random_states_<rank>.pkl`) at the
    optimizer-step boundary where the checkpoint is taken. `load_state` restores
    them after everything else is built (step 2 included), so the first step after a
-   resume draws exactly what the uninterrupted run drew there.
+   resume draws exactly what the uninterrupted run drew there. Accelerate only logs
+   a file it cannot read ("Could not load random states") and goes on with the
+   state it had; `restore_random_states` reads the file again and makes that an error.
+5. **Another number of processes.** A rank the checkpoint had no file for (the run
+   grew from 1 to 2 processes) starts from rank 0's state: the state every rank of
+   the old run held, since every rank is seeded alike and draws the same shapes.
+   Dropout masks still differ from an uninterrupted run's once the per-rank batch
+   changes, which the resume notes say.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
+from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate.utils import set_seed
+
+from runner.config.errors import UserError
+
+RNG_STATE_FILE = "random_states_{rank}.pkl"  # Accelerate's name (accelerate.utils.constants.RNG_STATE_NAME)
 
 
 def training_stream_seed(seed: int) -> int:
@@ -44,3 +58,37 @@ def seed_training_stream(seed: int) -> None:
 def loader_generator(seed: int) -> "torch.Generator":
     """A private generator for a DataLoader's per-iterator seed (step 3 above)."""
     return torch.Generator().manual_seed(seed)
+
+
+def random_state_file(checkpoint: Path, rank: int, saved_world_size: int) -> Path:
+    """The file rank `rank` restores its random state from (point 5 above)."""
+    return checkpoint / RNG_STATE_FILE.format(rank=rank if rank < saved_world_size else 0)
+
+
+def read_random_states(path: Path) -> dict:
+    """One rank's saved generators; a missing, truncated or foreign file is a UserError naming it."""
+    try:
+        # Accelerate pickles Python's and NumPy's states: not loadable with weights_only.
+        states = torch.load(path, weights_only=False)
+        missing = [k for k in ("random_state", "numpy_random_seed", "torch_manual_seed") if k not in states]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} in it")
+    except Exception as err:
+        raise UserError(
+            f"checkpoint {path.parent}: the random state {path.name} cannot be restored ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); without it the dropout stream would not continue. "
+            "Resume from an older checkpoint (resume=PATH) or start a new run."
+        ) from None
+    return states
+
+
+def restore_random_states(checkpoint: Path, rank: int, saved_world_size: int) -> None:
+    """Set this rank's torch (CPU and CUDA), Python and NumPy generators from the checkpoint."""
+    states = read_random_states(random_state_file(checkpoint, rank, saved_world_size))
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available():
+        # One state per visible device when saved; a rank may now see fewer devices.
+        for device, state in enumerate(states.get("torch_cuda_manual_seed", [])[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)

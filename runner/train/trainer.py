@@ -202,7 +202,10 @@ class Trainer:
             "epoch": s.epoch,
             "samples_in_epoch": s.samples_in_epoch,
             "world_size": self.accelerator.num_processes,
+            "per_device_batch_size": plan.per_device_batch_size,
             "grad_accum_steps": plan.grad_accum_steps,
+            "total_steps": plan.total_steps,  # a resume=auto at or past it finds the run finished
+            "steps_per_epoch": plan.steps_per_epoch,
             "total_loss": s.total_loss,
             "total_loss_steps": s.total_loss_steps,
             "pending_loss_sums": pending_sums,
@@ -224,6 +227,12 @@ class Trainer:
         else:  # checkpoints before the position was kept in samples: same layout only
             s.samples_in_epoch = int(meta["batches_in_epoch"]) * self.samples_per_batch
         s.total_loss, s.total_loss_steps = float(meta["total_loss"]), int(meta["total_loss_steps"])
+        # load_state restored Accelerate's micro-batch counter as the old layout left it;
+        # it decides which micro-batch ends an accumulation. A checkpoint sits at a step
+        # boundary, so in this layout the count is this rank's batches into the epoch
+        # (a whole number of accumulations: resume.layout_change_problems sees to it).
+        done = self.batches_done_in_epoch()
+        self.accelerator.step = done if done < len(self.train_loader) else 0
         s.skipped_steps = int(meta.get("skipped_steps", 0))
         count = int(meta.get("pending_loss_count", 0))
         if count:
@@ -455,9 +464,10 @@ class Trainer:
             "train_steps": s.step,
             "train_tokens": samples * plan.block_size,
             "resumed_from_step": s.start_step,
-            "train_samples_per_second": round(samples_run / runtime, 3),
-            "train_steps_per_second": round(steps_run / runtime, 3),
-            "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1),
-            "train_mfu": self.mfu(samples_run * plan.block_size / runtime),
+            # None, not 0.0, when this process ran no step (resumed at the last one): no rate was measured.
+            "train_samples_per_second": round(samples_run / runtime, 3) if steps_run else None,
+            "train_steps_per_second": round(steps_run / runtime, 3) if steps_run else None,
+            "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1) if steps_run else None,
+            "train_mfu": self.mfu(samples_run * plan.block_size / runtime) if steps_run else None,
             "first_step_time": s.first_step_time,
         }

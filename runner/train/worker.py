@@ -34,7 +34,14 @@ from torch.utils.data import DataLoader
 
 from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
 from runner.components.data import prepare as prepare_data
-from runner.components.model import build_config, build_model, build_tokenizer, count_parameters, max_positions
+from runner.components.model import (
+    active_dropout,
+    build_config,
+    build_model,
+    build_tokenizer,
+    count_parameters,
+    max_positions,
+)
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, flat_spec_dict, load_spec, spec_to_yaml
@@ -97,7 +104,7 @@ def main(spec_path: str) -> None:
 
 
 def train(spec: RunSpec) -> dict[str, Any]:
-    run_dir, t = Path(spec.run_dir), spec.train
+    run_dir = Path(spec.run_dir)
     set_host_memory_policy(spec)  # 1
     # What the process holds before any model state exists (interpreter, libraries):
     # peak memory above it is what training adds (bench/strategy_memory.py reads it).
@@ -121,7 +128,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     )
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built.config, block_size, run_dir, optimizer_in_use)
-    restore_random_state(spec, accelerator, trainer, run_dir)  # 7
+    restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
     train_results, eval_results = fit(spec, accelerator, trainer, run_dir)
@@ -220,20 +227,25 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     )
 
 
-def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path) -> None:
+def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path, config: Any) -> None:
     """Each rank's random state: seeded here for the loop, saved with every checkpoint,
     and restored from one after all setup (see runner/train/rng.py)."""
     seed_training_stream(spec.train.seed)
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:
-        trainer.restore(load_checkpoint(accelerator, resume_from))
+        meta = load_checkpoint(accelerator, resume_from)
+        trainer.restore(meta)
         if accelerator.is_main_process:
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
+            note = inexact_layout_note(meta, trainer.plan, active_dropout(config))
+            if note:
+                log.warning(f"runner: note: {note}")
     if accelerator.is_main_process:
         # Lines past the step this run starts from are logged again: after a resume, or
         # after a restart (launch.max_restarts) of an attempt that died before its first
         # checkpoint. metrics.jsonl then holds each step once.
-        truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step)
+        truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step,
+                         final_eval_again=trainer.state.step >= trainer.plan.total_steps)
 
 
 # ---------------------------------------------------------------------- the run
@@ -342,16 +354,36 @@ def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     return resolve(spec, run_dir)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint: the resumed run logs those steps again."""
+def inexact_layout_note(meta: dict[str, Any], plan: RunPlan, dropout: dict[str, float]) -> Optional[str]:
+    """Why a resume in another layout cannot be exact, when dropout is on: each rank
+    draws masks for its own micro-batch shape, so another per-rank batch draws other
+    masks (the samples, the global batch and the math are still the same)."""
+    saved = (int(meta.get("world_size", plan.world_size)), int(meta.get("per_device_batch_size", plan.per_device_batch_size)),
+             int(meta.get("grad_accum_steps", plan.grad_accum_steps)))
+    now = (plan.world_size, plan.per_device_batch_size, plan.grad_accum_steps)
+    if saved == now or not dropout:
+        return None
+    shown = ", ".join(f"{k}={v:g}" for k, v in sorted(dropout.items()))
+    return (f"the layout changed ({'x'.join(map(str, saved))} -> {'x'.join(map(str, now))}, processes x per-device batch x "
+            f"accumulation) with dropout on ({shown}): the dropout masks differ from an uninterrupted run's, so this "
+            "continuation is statistically equivalent, not exact. Keep the layout for an exact resume.")
+
+
+def truncate_metrics(path: Path, step: int, final_eval_again: bool = False) -> None:
+    """Drop lines logged after the checkpoint: the resumed run logs those steps again.
+    `final_eval_again`: the checkpoint is the last step, whose evaluation (logged after
+    the checkpoint was written) the resumed run repeats."""
     if not path.exists():
         return
 
     def kept(line: str) -> bool:
         try:
-            return json.loads(line).get("step", 0) <= step
+            row = json.loads(line)
         except ValueError:  # a line torn by kill -9 mid-write
             return False
+        if final_eval_again and "eval_loss" in row and row.get("step", 0) >= step:
+            return False
+        return row.get("step", 0) <= step
 
     keep = [line for line in path.read_text().splitlines() if line.strip() and kept(line)]
     tmp = path.with_suffix(".tmp")

@@ -99,24 +99,30 @@ LAYOUT_RUN = [o for o in LAYOUT_RUN if not o.startswith("train.per_device_batch_
 
 
 def test_resume_across_layouts_continues_at_the_exact_sample(tmp_path):
-    """Global batch 8 throughout: 2 processes x 4, then 1 x 4 x 2 accumulation, then 1 x 8;
-    64 samples make 8 steps an epoch, so the layouts change mid-way through 3 epochs."""
-    layouts = [["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
-               ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
-               ["train.per_device_batch_size=8"]]
+    """Global batch 8 throughout, checkpoints at odd steps: 2 processes x 4 to step 3,
+    1 x 4 x 2 accumulation to step 9 (2 -> 1), 1 x 8 to step 15, 2 x 4 to the end
+    (1 -> 2, whose new rank has no random state of its own). 64 samples make 8 steps an
+    epoch, so each change lands mid-epoch; every step matches one uninterrupted 1 x 8 run."""
+    layouts = {"2x4x1": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
+               "1x4x2": ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
+               "1x8x1": ["train.per_device_batch_size=8"]}
 
     def run(run_dir, layout, *extra):
-        return [sys.executable, "-m", "runner", *LAYOUT_RUN, *layout, *extra, f"hydra.run.dir={run_dir}"]
+        return [sys.executable, "-m", "runner", *LAYOUT_RUN, *layouts[layout], "train.save_every=3", *extra,
+                f"hydra.run.dir={run_dir}"]
 
     reference = tmp_path / "reference"
-    done = subprocess.run(run(reference, layouts[2]), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(run(reference, "1x8x1"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "changing"
-    kill_9_after_checkpoint(run(run_dir, layouts[0]), run_dir, step=4)  # mid-epoch: 32 of 64 samples
-    kill_9_after_checkpoint(run(run_dir, layouts[1], "resume=auto"), run_dir, step=12)  # mid second epoch
-    done = subprocess.run(run(run_dir, layouts[2], "resume=auto"), capture_output=True, text=True, timeout=900)
+    for layout, resume, kill_after in (("2x4x1", [], 3), ("1x4x2", ["resume=auto"], 9), ("1x8x1", ["resume=auto"], 15)):
+        kill_9_after_checkpoint(run(run_dir, layout, *resume), run_dir, step=kill_after)
+        # The next leg must start at this odd step, not at a later one the kill raced past.
+        assert complete_checkpoints(run_dir)[-1].name == f"step_{kill_after}"
+    done = subprocess.run(run(run_dir, "2x4x1", "resume=auto"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming from" in done.stderr and "step_12" in done.stderr
+    assert "resuming from" in done.stderr and "step_15" in done.stderr
+    assert "accepted change layout 1x8x1 -> 2x4x1" in done.stderr
     assert parity_problems(step_records(reference / "metrics.jsonl"), step_records(run_dir / "metrics.jsonl")) == []
 
 

@@ -11,7 +11,9 @@ def test_an_equal_global_batch_in_another_layout_is_accepted(compose_spec):
     old = compose_spec("train.per_device_batch_size=4")
     new = compose_spec("train.per_device_batch_size=4", "train.grad_accum_steps=2")
     assert layout_change_problems(old, new, 2, 1, train_samples=64, marker=MARKER) == []
-    assert compare(old, new, 2, 1, 64, MARKER) == ([], [])
+    # Accepted, and said: a change of layout is printed with the other accepted changes.
+    assert compare(old, new, 2, 1, 64, MARKER) == (
+        [], ["layout 2x4x1 -> 1x4x2 (processes x per-device batch x accumulation), the same global batch of 8"])
 
 
 def test_a_short_last_step_refuses_the_change_and_names_the_fix(compose_spec):
@@ -37,3 +39,68 @@ def test_a_position_between_micro_batches_is_refused(compose_spec):
 def test_the_same_layout_needs_no_check(compose_spec):
     spec = compose_spec()
     assert layout_change_problems(spec, spec, 1, 1, train_samples=61, marker={}) == []
+
+
+def _folder(tmp_path, steps, results_step=None):
+    """A run folder as a run leaves it: complete checkpoints, and results at `results_step`."""
+    import json
+
+    from runner.train.checkpoint import COMPLETE_MARKER
+
+    run_dir = tmp_path / "run"
+    for step in steps:
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+    if results_step is not None:
+        (run_dir / "all_results.json").write_text(json.dumps({"train_steps": results_step}))
+        (run_dir / "model").mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
+    return run_dir
+
+
+def test_a_finished_run_is_found_finished_only_at_its_end_with_its_results(compose_spec, tmp_path):
+    from runner.train.resume import finished_message
+
+    run_dir = _folder(tmp_path, [4, 8], results_step=8)
+    newest = run_dir / "checkpoints" / "step_8"
+    message = finished_message(compose_spec("train.max_steps=8"), run_dir, newest, {"step": 8}, 1, 64)
+    assert message is not None and "finished: step 8" in message and "raise train.max_steps" in message
+    assert "past" in finished_message(compose_spec("train.max_steps=6"), run_dir, newest, {"step": 8}, 1, 64)
+    assert finished_message(compose_spec("train.max_steps=12"), run_dir, newest, {"step": 8}, 1, 64) is None  # more to train
+    older = run_dir / "checkpoints" / "step_4"
+    assert finished_message(compose_spec("train.max_steps=4"), run_dir, older, {"step": 4}, 1, 64) is None  # a branch
+    (run_dir / "all_results.json").unlink()  # killed after the last save, before the results
+    assert finished_message(compose_spec("train.max_steps=8"), run_dir, newest, {"step": 8}, 1, 64) is None
+
+
+def test_an_epoch_count_is_planned_as_the_worker_plans_it(compose_spec):
+    from runner.train.resume import planned_total_steps
+
+    spec = compose_spec("train.max_steps=null", "train.num_epochs=2", "train.per_device_batch_size=4",
+                        "train.grad_accum_steps=2")
+    assert planned_total_steps(spec, 2, train_samples=64, marker={}) == 8  # 64 / (4 x 2 x 2) = 4 a pass
+    assert planned_total_steps(spec, 2, train_samples=None, marker={"steps_per_epoch": 5}) == 10
+    assert planned_total_steps(spec, 2, train_samples=None, marker={}) is None
+
+
+def test_an_older_checkpoint_sets_the_newer_branch_aside_and_deletes_nothing(tmp_path):
+    from runner.train.checkpoint import complete_checkpoints
+    from runner.train.resume import set_aside_newer_branch
+
+    run_dir = _folder(tmp_path, [4, 16, 20], results_step=20)
+    note = set_aside_newer_branch(run_dir, run_dir / "checkpoints" / "step_4", 4)
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_4"]  # pruning and resume=auto see this branch only
+    [aside] = (run_dir / "abandoned").iterdir()
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_16", "step_20"]
+    assert (aside / "all_results.json").is_file() and (aside / "model").is_dir() and (aside / "metrics.jsonl").is_file()
+    assert not (run_dir / "all_results.json").exists()
+    assert str(aside) in note and "step_16, step_20" in note and "newest checkpoint (step_20)" in note
+    assert set_aside_newer_branch(run_dir, run_dir / "checkpoints" / "step_4", 4) is None  # nothing newer now
+
+
+def test_resuming_the_newest_checkpoint_sets_nothing_aside(tmp_path):
+    from runner.train.resume import set_aside_newer_branch
+
+    run_dir = _folder(tmp_path, [4, 8])  # a run killed after step 8's save
+    assert set_aside_newer_branch(run_dir, run_dir / "checkpoints" / "step_8", 8) is None
+    assert not (run_dir / "abandoned").exists()

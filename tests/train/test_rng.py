@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runner.train.rng import loader_generator, seed_training_stream, training_stream_seed
@@ -34,3 +35,50 @@ def test_a_loader_with_its_own_generator_leaves_the_global_stream_alone():
     for _ in torch.utils.data.DataLoader(data, batch_size=4):  # the default draws from the global stream
         pass
     assert not torch.equal(torch.rand(1), expected)
+
+
+def _save_states(path, seed: int) -> None:
+    """A random_states file as Accelerate's save_state writes it (its keys, torch.save)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.save({"step": 3, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                "torch_manual_seed": torch.get_rng_state()}, path)
+
+
+def test_a_rank_restores_its_own_file_and_a_new_rank_restores_rank_0s(tmp_path):
+    from runner.train.rng import random_state_file, restore_random_states
+
+    for rank, seed in ((0, 10), (1, 11)):
+        _save_states(tmp_path / f"random_states_{rank}.pkl", seed)
+    torch.manual_seed(10)
+    rank0 = torch.rand(3)
+    torch.manual_seed(11)
+    rank1 = torch.rand(3)
+    assert random_state_file(tmp_path, 1, saved_world_size=2).name == "random_states_1.pkl"
+    assert random_state_file(tmp_path, 1, saved_world_size=1).name == "random_states_0.pkl"  # grew 1 -> 2
+    for rank, saved_world, expected in ((1, 2, rank1), (0, 2, rank0), (1, 1, rank0), (3, 2, rank0)):
+        torch.manual_seed(99)
+        restore_random_states(tmp_path, rank, saved_world)
+        assert torch.equal(torch.rand(3), expected), (rank, saved_world)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "foreign"])
+def test_a_random_state_that_cannot_be_restored_is_an_error_naming_the_file(tmp_path, damage):
+    """Accelerate's load_state only logs "Could not load random states" and goes on."""
+    from runner.config.errors import UserError
+    from runner.train.rng import restore_random_states
+
+    _save_states(tmp_path / "random_states_0.pkl", 1)
+    path = tmp_path / "random_states_1.pkl"
+    if damage == "truncated":
+        _save_states(path, 2)
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "foreign":
+        torch.save({"step": 3}, path)
+    with pytest.raises(UserError, match=r"random state random_states_1\.pkl cannot be restored"):
+        restore_random_states(tmp_path, 1, saved_world_size=2)
