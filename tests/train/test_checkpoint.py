@@ -249,7 +249,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, t
     run_dir = tmp_path / "run"
     done = subprocess.run(cmd(run_dir, "train.max_steps=8"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    # As a crash would leave them: a temporary folder, and a renamed one without its marker.
+    # As a crash would leave them: no results, a temporary folder, and a renamed one without its marker.
+    (run_dir / "all_results.json").unlink()
     (run_dir / "checkpoints" / ".tmp_step_12").mkdir()
     (run_dir / "checkpoints" / "step_12").mkdir()
     (run_dir / "checkpoints" / "step_12" / "model.safetensors").write_bytes(b"partial")
