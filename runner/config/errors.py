@@ -33,6 +33,16 @@ class RunFailed(Exception):
     """Training itself failed (a worker crashed); its traceback was already shown."""
 
 
+class TrainingStopped(SystemExit):
+    """Training stopped itself for a reason it has already logged (a non-finite loss):
+    a SystemExit, so a single run exits with `code` and no traceback, carrying the
+    reason for a sweep, which records the job as failed and goes on to the next."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(code)
+        self.reason = reason
+
+
 def exit_with(error: UserError) -> NoReturn:
     sys.stderr.write(error.render() + "\n")
     sys.stderr.flush()

@@ -255,9 +255,15 @@ class PrecisionSpec:
 class SweepSpec:
     parity_baseline: Optional[str] = None
     """The job a sweep's summary compares every other job's per-step loss and gradient
-    norm with (runner/sweep/parity.py): null: the first job; an index ("2", as in the job
-    folder's number); or overrides the job was run with ("strategy=ddp", quoted on the
-    command line). It must name exactly one job, or the summary says why not."""
+    norm with (runner/sweep/parity.py): null: the first job; an index ("2": the job's place
+    in the sweep's job list, 0 first, as Hydra numbers jobs and the summary lists them; job
+    folders are named by a hash); or overrides the job was run with ("strategy=ddp", quoted
+    on the command line). It must name exactly one job, or the summary says why not."""
+    retry_failed: bool = False
+    """With resume=auto: run again the jobs that failed last time (a divergence, a crash,
+    a killed worker). false: they are listed with their reasons and left as they are, since
+    a deterministic failure would only repeat. A retried job resumes from its newest
+    complete checkpoint; add overwrite=true to start it over (its checkpoints are deleted)."""
 
 
 @dataclass

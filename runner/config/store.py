@@ -15,9 +15,11 @@ from runner.config.spec import SCHEMA_NAME, RunSpec
 
 
 def short_hash(text: str) -> str:
-    """Six hex chars naming a set of overrides, so two runs started in the same
-    second with different overrides get different folders."""
-    return hashlib.sha1(str(text).encode()).hexdigest()[:6]
+    """Twelve hex chars naming a set of overrides: a sweep job's folder, and a run's
+    beside its start time. 48 bits: two of 10,000 jobs share a name with a chance of
+    about 2e-7 (six chars, 24 bits, gave 3% at 1,000 jobs, and a collision would keep
+    one job's results as another's)."""
+    return hashlib.sha1(str(text).encode()).hexdigest()[:12]
 
 
 def register() -> None:

@@ -66,8 +66,11 @@ def _run_in_process(spec: RunSpec) -> None:
     try:
         worker.run(spec)
     finally:
-        # A sweep runs its jobs in this process: leave no state for the next one.
+        # A sweep runs its jobs in this process: leave no state for the next one, also
+        # after a job that failed before it could close its (one-process) group.
         reset_accelerate_state()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
 

@@ -72,7 +72,8 @@ def window_peak_memory_mb(device: Any = None) -> float:
     """Peak memory of this rank since the previous call (one log window). On a GPU:
     CUDA's peak *reserved* memory (allocated plus the caching allocator's cache: what
     the driver gave this process, what an out-of-memory error depends on), then the
-    counter is reset. On a CPU: the process's peak RSS, which the OS cannot reset."""
+    counter is reset. On a CPU: the process's peak RSS since the run began (resetting it
+    per window would lose the run's peak, which only the OS keeps)."""
     if not _is_cuda(device):
         return peak_memory_mb(device)
     peak = torch.cuda.max_memory_reserved(device) / 2**20
@@ -83,12 +84,35 @@ def window_peak_memory_mb(device: Any = None) -> float:
 
 
 def peak_memory_mb(device: Any = None) -> float:
-    """Peak memory of this rank over the run: CUDA max reserved on a GPU, else the process's peak RSS."""
+    """Peak memory of this rank over the run: CUDA max reserved on a GPU, else the
+    process's peak RSS since reset_peak_memory (VmHWM)."""
     if _is_cuda(device):
         return max(_run_peak_mb.get(str(device), 0.0), torch.cuda.max_memory_reserved(device) / 2**20)
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError):
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory() -> None:
+    """Start this run's peak afresh. A sweep runs one-process jobs in one process: without
+    this, each job's peak would be the largest of every job before it (the process's
+    lifetime peak RSS, CUDA's peak counters and the run peak kept above)."""
+    _run_peak_mb.clear()
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # Linux: resets the peak resident set (VmHWM, ru_maxrss) to the current one
+    except OSError:
+        pass  # not Linux: the peak stays the process's own
 
 
 def current_memory_mb(device: Any = None) -> float:

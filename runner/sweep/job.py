@@ -16,8 +16,8 @@ from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.distributed.world import world_size
 from runner.launch.start import start
-from runner.sweep.resume import Action, continue_command, has_results, plan_job, write_record
-from runner.sweep.status import write_job_status
+from runner.sweep.resume import Action, continue_command, has_results, plan_job, result_changes, write_record
+from runner.sweep.status import job_reason, job_status, write_job_status
 from runner.train.signals import EXIT_CODES, held_signal, hold_again
 
 
@@ -33,8 +33,14 @@ def run_sweep_job(make_spec: Callable[[], RunSpec], job_dir: Path, sweep_dir: Pa
             return  # kept: its folder already holds its results
         start(spec, job_dir, spec.overwrite, composed, tuple(overrides), run_dir_chosen)
     except SystemExit as stop:
-        sweep_stopped(stop, job_dir, sweep_dir, num, action, time.perf_counter() - started, overrides)
-        raise
+        if stop.code in EXIT_CODES.values():  # a signal: the sweep stops here, resumable
+            sweep_stopped(stop, job_dir, sweep_dir, num, action, time.perf_counter() - started, overrides)
+            raise
+        # The job ended itself (a non-finite loss: TrainingStopped): recorded, and the next job runs.
+        reason = getattr(stop, "reason", None) or f"the job exited with code {stop.code}"
+        sys.stderr.write(f"runner: job {num} failed: {reason}\n")
+        write_job_status(job_dir, "failed", time.perf_counter() - started, overrides, reason)
+        return
     except Exception as err:  # UserError, RunFailed, or a crash: recorded, and the next job runs
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
         sys.stderr.write(f"runner: job {num} failed: {reason}\n")
@@ -68,8 +74,17 @@ def plan_sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Optio
         write_record(sweep_dir, job_dir, num, Action.kept, "refused", "; ".join(err.problems))
         sys.stderr.write(f"runner: job {num} refused: {'; '.join(err.problems)}\n")
         return None
-    write_record(sweep_dir, job_dir, num, action)
-    sys.stderr.write(f"runner: job {num} ({job_dir.name}): {action.value}\n")
+    if action is Action.not_retried:
+        reason = job_reason(job_dir) or "no reason recorded"
+        write_record(sweep_dir, job_dir, num, action, "failed", reason)
+        sys.stderr.write(f"runner: job {num} ({job_dir.name}) failed last time and is not retried: {reason} "
+                         "(sweep.retry_failed=true retries it from its last checkpoint)\n")
+        return None
+    why = None
+    if job_status(job_dir) == "ok" and action in (Action.resumed, Action.rerun):  # a finished job, not kept
+        why = "finished under other settings: " + "; ".join(result_changes(job_dir, spec, world_size(spec.launch)))
+    write_record(sweep_dir, job_dir, num, action, reason=why)
+    sys.stderr.write(f"runner: job {num} ({job_dir.name}): {action.value}{f' ({why})' if why else ''}\n")
     return None if action is Action.kept else action
 
 

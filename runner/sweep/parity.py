@@ -46,7 +46,7 @@ class JobParity:
 
 def pick_baseline(jobs: Sequence[Job], setting: Optional[str]) -> Job:
     """The job named by `sweep.parity_baseline`: null -> the first; digits -> that index
-    in the sweep's order (the job folder's number); else overrides, all of which the
+    in the sweep's job list (Hydra's job number; folders are named by a hash); else overrides, all of which the
     job must have been run with. Raises ValueError unless exactly one job matches."""
     if not jobs:
         raise ValueError("the sweep has no jobs")

@@ -7,7 +7,12 @@ With resume=auto each job is then:
 - kept: it finished (job_status.json says ok). Nothing in its folder is touched.
 - resumed: it was interrupted (killed, preempted, stopped by a signal) after a
   checkpoint; it continues from the newest one, checked like a single-run resume.
-- re-run: it failed, or was interrupted before its first checkpoint; it starts over.
+- not retried: it failed (a divergence, a crash, a killed worker). A deterministic
+  failure would only repeat, so it is listed with its reason and left as it is, unless
+  sweep.retry_failed=true: then it resumes from its newest complete checkpoint (or,
+  without one or with overwrite=true, starts over).
+- re-run: it was interrupted before its first checkpoint (or is a retried failure
+  without one); it starts over.
 - new: its folder holds nothing yet.
 
 What each job did in this invocation goes into the sweep folder's .sweep_runs/, not
@@ -28,7 +33,7 @@ from runner.config.spec import SPEC_FILENAME, RunSpec, load_spec
 from runner.launch.rundir import existing_results
 from runner.sweep.status import JOB_STATUS, job_status
 from runner.train.checkpoint import latest_checkpoint, read_marker
-from runner.train.resume import compare
+from runner.train.resume import compare, planned_total_steps
 
 RECORDS_DIRNAME = ".sweep_runs"
 
@@ -38,29 +43,48 @@ class Action(str, Enum):
     kept = "kept"
     resumed = "resumed"
     rerun = "re-run"
+    not_retried = "not retried"
 
 
 def has_results(job_dir: Path) -> bool:
     return (job_dir / JOB_STATUS).exists() or bool(existing_results(job_dir))
 
 
-def check_kept(job_dir: Path, spec: RunSpec, world: int) -> None:
-    """A finished job is kept only if this sweep would compute the same thing."""
+# Accepted by a resume (runner/train/resume.py HARMLESS), yet they change what a finished
+# job's results answer: a job finished under other values is not kept.
+RESULT_DEFINING = ("train.max_steps", "train.num_epochs", "train.eval_every", "data.max_eval_samples")
+
+
+def result_changes(job_dir: Path, spec: RunSpec, world: int) -> list[str]:
+    """How this sweep's spec for a finished job differs from the one it ran with, in
+    settings that change its results (empty: keep it). A change that breaks the math
+    (a resume could not continue it either) is a UserError."""
     saved = job_dir / SPEC_FILENAME
     if not saved.is_file():
-        return  # finished before specs were frozen: nothing to compare against
+        return []  # finished before specs were frozen: nothing to compare against
     try:
         old = load_spec(saved)
     except Exception as err:
         raise UserError(f"job folder {job_dir}: its {SPEC_FILENAME} is unreadable ({err}).") from None
     newest = latest_checkpoint(job_dir)
     old_world = int(read_marker(newest).get("world_size", world)) if newest else world
-    breaking, _ = compare(old, spec, old_world, world)
+    breaking, harmless = compare(old, spec, old_world, world)
     if breaking:
         raise UserError(
             f"job folder {job_dir} holds a finished job whose spec differs in ways that change its results: "
             f"{'; '.join(breaking)}. Undo them, or continue in a new hydra.sweep.dir=PATH."
         )
+    return [h for h in harmless if h.startswith(tuple(f"{k}:" for k in RESULT_DEFINING))]
+
+
+def _more_steps_only(job_dir: Path, spec: RunSpec, world: int, changes: list[str]) -> bool:
+    """Whether only the step or epoch count changed, upwards: its newest checkpoint continues."""
+    newest = latest_checkpoint(job_dir)
+    if newest is None or not all(c.startswith(("train.max_steps:", "train.num_epochs:")) for c in changes):
+        return False
+    marker = read_marker(newest)
+    total = planned_total_steps(spec, world, None, marker)
+    return total is not None and total > int(marker["step"])
 
 
 def plan_job(job_dir: Path, spec: RunSpec, world: int) -> Action:
@@ -69,15 +93,23 @@ def plan_job(job_dir: Path, spec: RunSpec, world: int) -> Action:
     (an interrupted one is checked by the resume itself, runner/train/resume.py)."""
     status = job_status(job_dir)
     if status == "ok":
-        check_kept(job_dir, spec, world)
-        return Action.kept
+        changes = result_changes(job_dir, spec, world)
+        if not changes:
+            return Action.kept
+        if _more_steps_only(job_dir, spec, world, changes):
+            spec.resume = "auto"
+            return Action.resumed  # finished under fewer steps: continued from its last checkpoint
+        spec.resume, spec.overwrite = None, True
+        return Action.rerun  # its results answer another question (summary: why)
     if not has_results(job_dir):
         spec.resume = None
         return Action.new
-    if status != "failed" and latest_checkpoint(job_dir) is not None:
+    if status == "failed" and not spec.sweep.retry_failed:
+        return Action.not_retried
+    if latest_checkpoint(job_dir) is not None and not (status == "failed" and spec.overwrite):
         spec.resume = "auto"
         return Action.resumed
-    # Failed, or stopped before its first checkpoint: what it left is replaced.
+    # Stopped before its first checkpoint, or a failure retried with overwrite=true: what it left is replaced.
     spec.resume, spec.overwrite = None, True
     return Action.rerun
 

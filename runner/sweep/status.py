@@ -24,3 +24,11 @@ def job_status(job_dir: Path) -> Optional[str]:
         return str(json.loads(path.read_text()).get("status"))
     except ValueError:  # torn by a kill mid-write: the job did not finish
         return None
+
+
+def job_reason(job_dir: Path) -> Optional[str]:
+    """Why the job ended as it did, as it recorded (None: nothing recorded)."""
+    try:
+        return json.loads((job_dir / JOB_STATUS).read_text()).get("reason")
+    except (OSError, ValueError):
+        return None

@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from runner.config.errors import UserError, exit_with
 from runner.report.plots import read_metrics
 from runner.sweep.parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
-from runner.sweep.resume import begin_sweep, read_records
+from runner.sweep.resume import begin_sweep, continue_command, read_records
 from runner.sweep.status import JOB_STATUS
 from runner.train.signals import hold_signals
 
@@ -110,7 +110,8 @@ def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> 
     header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
               "max |Δloss|", "max grad-norm rel diff", "parity"]
     body = [
-        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}", _cell(r.run), _cell(r.train_loss),
+        [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}",
+         f"{r.run}: {r.reason}" if r.status == "ok" and r.reason else _cell(r.run),  # why a finished job was not kept _cell(r.train_loss),
          _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
          *_parity_cells(parity.get(r.job, JobParity()))]
         for r in rows
@@ -180,7 +181,11 @@ class SweepSummary(Callback):
             rows = summarize(sweep_dir)
             failed = [r.job for r in rows if r.status != "ok"]
             if failed:
-                sys.stderr.write(f"runner: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)}\n")
+                argv = [a for a in sys.argv[1:] if not a.startswith("sweep.retry_failed=")]
+                sys.stderr.write(
+                    f"runner: {len(failed)} of {len(rows)} jobs failed: {', '.join(failed)} (reasons in summary.md). "
+                    f"Retry them from their last checkpoints with:\n  {continue_command(argv, sweep_dir)} "
+                    "sweep.retry_failed=true\n")
                 raise SystemExit(1)
 
 

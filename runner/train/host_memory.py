@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 
 log = logging.getLogger("runner")
@@ -67,3 +68,19 @@ def _set_thresholds(threshold: int) -> bool:
     if not applied:
         log.debug(f"mallopt refused the thresholds ({threshold} bytes); glibc's adaptive defaults stay")
     return applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim), after a
+    garbage collection: a sweep's next in-process job then starts from, and measures its
+    peak above, what is live, not what the job before it retained. True when trimmed."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1

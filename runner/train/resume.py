@@ -39,7 +39,7 @@ HARMLESS = (
     "train.keep_checkpoints", "train.per_device_eval_batch_size", "train.dataloader_num_workers",
     "data.max_eval_samples", "data.cache_dir",
     "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank", "overwrite", "resume", "run_dir", "name",
-    "sweep.parity_baseline",
+    "sweep.parity_baseline", "sweep.retry_failed",
 )
 
 

@@ -44,6 +44,7 @@ from runner.components.model import (
 )
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
+from runner.config.errors import TrainingStopped
 from runner.config.spec import RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged, check_in_sync, rank_fingerprints
@@ -53,10 +54,10 @@ from runner.distributed.strategy import Strategy
 from runner.distributed.world import planned_world_size
 from runner.report.flops import model_flops_per_token, peak_flops
 from runner.report.log import setup_logging
-from runner.report.metrics import current_memory_mb, peak_memory_mb, summary_table, write_results
+from runner.report.metrics import current_memory_mb, peak_memory_mb, reset_peak_memory, summary_table, write_results
 from runner.report.plots import PLOT_FILENAME, plot_loss_curves
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
-from runner.train.host_memory import retain_freed_memory, return_freed_memory
+from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.resume import resolve
 from runner.train.rng import loader_generator, seed_training_stream
@@ -106,6 +107,10 @@ def main(spec_path: str) -> None:
 def train(spec: RunSpec) -> dict[str, Any]:
     run_dir = Path(spec.run_dir)
     set_host_memory_policy(spec)  # 1
+    # This run's own peak, also as the next job of an in-process sweep: what an earlier
+    # job freed goes back to the OS first, so it is not counted again.
+    release_freed_memory()
+    reset_peak_memory()
     # What the process holds before any model state exists (interpreter, libraries):
     # peak memory above it is what training adds (bench/strategy_memory.py reads it).
     before_model_mb = current_memory_mb(None)
@@ -260,7 +265,7 @@ def fit(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path
         raise SystemExit(EXIT_CODES.get(stop.signum, 1)) from None
     except NonFiniteLoss as err:
         log.error(f"runner: {err}")
-        raise SystemExit(3) from None
+        raise TrainingStopped(3, str(err)) from None
     except Exception as err:
         if _is_timeout(err):
             raise CollectiveTimeout(

@@ -22,7 +22,15 @@ from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, save_spec
 from runner.sweep.status import write_job_status
 from runner.sweep.summary import collect
-from runner.sweep.resume import Action, begin_sweep, continue_command, plan_job, read_records, write_record
+from runner.sweep.resume import (
+    Action,
+    begin_sweep,
+    continue_command,
+    plan_job,
+    read_records,
+    result_changes,
+    write_record,
+)
 
 
 @pytest.fixture
@@ -66,6 +74,22 @@ def test_a_finished_job_whose_spec_changed_the_math_is_refused_with_the_change_n
     assert "hydra.sweep.dir" in message
 
 
+def test_a_finished_job_with_more_steps_asked_resumes_and_one_with_other_results_runs_again(tmp_path, compose_spec):
+    """max_steps is harmless to a resume, not to whether finished results still answer the sweep."""
+    old = compose_spec(*MICRO)  # max_steps 8
+    finished(tmp_path / "job", old)
+    checkpointed(tmp_path / "job", 8)
+    more = compose_spec(*MICRO, "resume=auto", "train.max_steps=12")
+    assert plan_job(tmp_path / "job", more, 1) is Action.resumed and more.resume == "auto" and not more.overwrite
+    assert result_changes(tmp_path / "job", more, 1) == ["train.max_steps: 8 -> 12"]
+    fewer = compose_spec(*MICRO, "resume=auto", "train.max_steps=6")
+    assert plan_job(tmp_path / "job", fewer, 1) is Action.rerun and fewer.overwrite  # 8 steps' results answer 6 wrongly
+    other_eval = compose_spec(*MICRO, "resume=auto", "data.max_eval_samples=8")
+    assert plan_job(tmp_path / "job", other_eval, 1) is Action.rerun and other_eval.overwrite
+    cosmetic = compose_spec(*MICRO, "resume=auto", "train.log_every=5", "train.keep_checkpoints=9")
+    assert plan_job(tmp_path / "job", cosmetic, 1) is Action.kept
+
+
 def test_an_interrupted_job_with_a_checkpoint_resumes(tmp_path, spec):
     job = tmp_path / "job"
     job.mkdir()
@@ -89,11 +113,24 @@ def test_an_interrupted_job_without_a_checkpoint_runs_again_from_the_start(tmp_p
     assert spec.resume is None and spec.overwrite  # its partial results are replaced
 
 
-def test_a_failed_job_runs_again_from_the_start_even_with_a_checkpoint(tmp_path, spec):
+def test_a_failed_job_is_not_retried_unless_asked(tmp_path, spec):
+    """A deterministic failure (a divergence) would only repeat; its checkpoints stay."""
     finished(tmp_path / "job", spec, status="failed")
     checkpointed(tmp_path / "job", 4)
-    assert plan_job(tmp_path / "job", spec, 1) is Action.rerun
-    assert spec.resume is None and spec.overwrite
+    assert plan_job(tmp_path / "job", spec, 1) is Action.not_retried
+    assert spec.resume == "auto" and not spec.overwrite
+
+
+def test_a_retried_failed_job_resumes_from_its_checkpoint_and_starts_over_only_with_overwrite(tmp_path, compose_spec):
+    finished(tmp_path / "job", compose_spec(*MICRO), status="failed")
+    checkpointed(tmp_path / "job", 4)
+    retried = compose_spec(*MICRO, "resume=auto", "sweep.retry_failed=true")
+    assert plan_job(tmp_path / "job", retried, 1) is Action.resumed and retried.resume == "auto"
+    over = compose_spec(*MICRO, "resume=auto", "sweep.retry_failed=true", "overwrite=true")
+    assert plan_job(tmp_path / "job", over, 1) is Action.rerun and over.resume is None and over.overwrite
+    (tmp_path / "job" / "checkpoints").rename(tmp_path / "elsewhere")  # failed before its first checkpoint
+    again = compose_spec(*MICRO, "resume=auto", "sweep.retry_failed=true")
+    assert plan_job(tmp_path / "job", again, 1) is Action.rerun and again.overwrite
 
 
 def test_a_sweep_folder_with_results_is_refused_without_resume_or_overwrite(tmp_path, spec):
@@ -270,11 +307,13 @@ def test_a_continued_sweep_keeps_resumes_and_runs(stopped_sweep, continued_sweep
 
 
 @pytest.mark.e2e
-def test_a_failed_job_runs_again_from_the_start_and_a_changed_finished_job_is_refused_alone(tmp_path):
+def test_a_failed_job_is_kept_as_it_is_until_retried_and_a_changed_finished_job_is_refused_alone(tmp_path):
     """Seeds 1 and 2, 4 steps, a checkpoint every 2. The first job to reach step 3 crashes
-    (after its step-2 checkpoint); the other finishes. Then job 2's frozen spec is edited
-    (as a recipe changed since) and the sweep continued: job 1 runs again from step 1
-    (not from its checkpoint), job 2 is refused with the change named and left as it is."""
+    (after its step-2 checkpoint); the other finishes. Job 2's frozen spec is then edited
+    (as a recipe changed since) and the sweep continued: job 1 is not retried (a
+    deterministic failure would repeat) and keeps its checkpoint, job 2 is refused with
+    the change named; both are left as they are. With sweep.retry_failed=true job 1
+    resumes from its step-2 checkpoint."""
     from conftest import patch_train_step
 
     args = [*[o for o in RESUMABLE if not o.startswith(("train.max_steps", "train.save_every"))],
@@ -285,27 +324,86 @@ def test_a_failed_job_runs_again_from_the_start_and_a_changed_finished_job_is_re
         f"open({str(flag)!r}, 'w').close(); raise RuntimeError('injected crash')")}
     first = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 1, first.stderr[-3000:]
+    assert "sweep.retry_failed=true" in first.stderr  # how to retry, printed with the failures
     sweep_dir = tmp_path / "sweep"
     job1, job2 = job_of(sweep_dir, 1), job_of(sweep_dir, 2)
     assert json.loads((job1 / "job_status.json").read_text())["status"] == "failed"
-    assert (job1 / "checkpoints" / "step_2").is_dir()  # resumable, yet a failed job starts over
+    assert (job1 / "checkpoints" / "step_2").is_dir()
     crashed = step_losses(job1)
     assert sorted(crashed) == [1, 2]
     spec_text = (job2 / "run_spec.yaml").read_text()
     assert "  seed: 2\n" in spec_text
     (job2 / "run_spec.yaml").write_text(spec_text.replace("  seed: 2\n", "  seed: 7\n"))
-    job2_before = file_hashes(job2)
+    job1_before, job2_before = file_hashes(job1), file_hashes(job2)
 
     done = subprocess.run(runner_cmd("-m", *args, "resume=auto"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stderr[-3000:]  # one job refused
-    rerun = step_losses(job1)
-    assert sorted(rerun) == [1, 2, 3, 4]
-    assert {s: rerun[s] for s in (1, 2)} == crashed  # from the start: the same first steps
-    assert "resumed from" not in (job1 / "run.log").read_text()
-    assert file_hashes(job2) == job2_before
+    assert done.returncode == 1, done.stderr[-3000:]  # one job failed, one refused
+    assert file_hashes(job1) == job1_before and file_hashes(job2) == job2_before
+    assert "not retried: RuntimeError: injected crash" in done.stderr
     assert "train.seed: 7 -> 2" in done.stderr and "Traceback" not in done.stderr
     rows = {next(o for o in r["overrides"].split() if o.startswith("train.seed=")): r
             for r in csv.DictReader((sweep_dir / "summary.csv").open())}
-    assert (rows["train.seed=1"]["status"], rows["train.seed=1"]["run"]) == ("ok", "re-run")
+    assert (rows["train.seed=1"]["status"], rows["train.seed=1"]["run"]) == ("failed", "not retried")
+    assert "injected crash" in rows["train.seed=1"]["reason"]
     assert (rows["train.seed=2"]["status"], rows["train.seed=2"]["run"]) == ("refused", "kept")
     assert "train.seed: 7 -> 2" in rows["train.seed=2"]["reason"]
+
+    (job2 / "run_spec.yaml").write_text(spec_text)  # the recipe put back
+    retried = subprocess.run(runner_cmd("-m", *args, "resume=auto", "sweep.retry_failed=true"), capture_output=True,
+                             text=True, timeout=600)
+    assert retried.returncode == 0, retried.stderr[-3000:]
+    resumed = step_losses(job1)
+    assert sorted(resumed) == [1, 2, 3, 4] and {s: resumed[s] for s in (1, 2)} == crashed
+    assert "resumed from" in (job1 / "run.log").read_text() and "step_2" in (job1 / "run.log").read_text()
+    rows = {next(o for o in r["overrides"].split() if o.startswith("train.seed=")): r
+            for r in csv.DictReader((sweep_dir / "summary.csv").open())}
+    assert (rows["train.seed=1"]["status"], rows["train.seed=1"]["run"]) == ("ok", "resumed")
+    assert (rows["train.seed=2"]["status"], rows["train.seed=2"]["run"]) == ("ok", "kept")
+
+
+def by_lr(sweep_dir: Path) -> dict[float, dict[str, str]]:
+    """summary.csv's rows by learning rate (Hydra prints 1e-3 as 0.001)."""
+    return {float(next(o for o in r["overrides"].split() if o.startswith("optim.lr="))[9:]): r
+            for r in csv.DictReader((sweep_dir / "summary.csv").open())}
+
+
+@pytest.mark.e2e
+def test_a_diverging_middle_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """optim.lr=1e-3,1e30,2e-3 in one process: the middle job's loss goes non-finite.
+    The third job still runs, the summary lists all three, the exit code says a job
+    failed; resume=auto then keeps every folder byte for byte and re-runs nothing."""
+    sweep_dir = tmp_path / "sweep"
+    args = [*[o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))], "train.max_steps=6",
+            "train.eval_every=0", "schedule.warmup_steps=0", "optim.max_grad_norm=0", "optim.lr=1e-3,1e30,2e-3",
+            f"hydra.sweep.dir={sweep_dir}"]
+    first = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr
+    rows = by_lr(sweep_dir)
+    assert {lr: r["status"] for lr, r in rows.items()} == {1e-3: "ok", 1e30: "failed", 2e-3: "ok"}
+    assert "non-finite loss or gradient norm at step" in rows[1e30]["reason"]
+    assert float(rows[2e-3]["train_loss"]) < 11  # the job after the failure trained
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    before = {p.name: file_hashes(p) for p in jobs}
+    # Continued with overrides that cannot change a result: the jobs stay in their folders.
+    again = subprocess.run(runner_cmd("-m", *args, "resume=auto", "train.log_every=2", f"data.cache_dir={tmp_path / 'c'}"),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert {p.name: file_hashes(p) for p in jobs} == before
+    assert {lr: r["run"] for lr, r in by_lr(sweep_dir).items()} == {1e-3: "kept", 1e30: "not retried", 2e-3: "kept"}
+
+
+@pytest.mark.e2e
+def test_each_jobs_peak_memory_is_its_own_in_a_one_process_sweep(tmp_path):
+    """A large batch, then a small one, in one process: the small job's peak is its own,
+    not the process's lifetime peak (the logits alone are 32 x 32 x 50257 floats at batch 32)."""
+    sweep_dir = tmp_path / "sweep"
+    args = [*[o for o in MICRO if not o.startswith(("train.max_steps", "train.per_device_batch_size"))],
+            "train.max_steps=2", "train.eval_every=0", "train.per_device_batch_size=32,1", f"hydra.sweep.dir={sweep_dir}"]
+    done = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = {next(o for o in r["overrides"].split() if o.startswith("train.per_device_batch_size=")): float(r["peak_memory_mb"])
+             for r in csv.DictReader((sweep_dir / "summary.csv").open())}
+    logits_mb = 32 * 32 * 50257 * 4 / 2**20  # 196 MB, and its gradient as much again
+    print("peak MB by batch:", peaks)
+    assert peaks["train.per_device_batch_size=1"] < peaks["train.per_device_batch_size=32"] - logits_mb
