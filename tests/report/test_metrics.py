@@ -54,3 +54,34 @@ def test_gpu_peak_memory_is_per_window_reserved_and_the_run_peak_survives(monkey
     cuda.hold(1500)
     assert metrics.window_peak_memory_mb(device) == 1500  # the first window's peak is gone
     assert metrics.peak_memory_mb(device) == 3000  # the whole run's peak is kept
+
+
+def test_a_new_run_in_the_same_process_starts_its_gpu_peak_afresh(monkeypatch):
+    """A one-process sweep's next job: the peak the job before it reached is not its own."""
+    import torch
+
+    from runner.report import metrics
+
+    monkeypatch.setattr(metrics, "_run_peak_mb", {})
+    cuda = _FakeCuda()
+    cuda.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    device = torch.device("cuda", 0)
+    cuda.hold(3000)  # the first job's large batch
+    metrics.window_peak_memory_mb(device)
+    cuda.hold(200)  # freed back to a small working set
+    metrics.reset_peak_memory()
+    cuda.hold(500)  # the second job's own peak
+    assert metrics.peak_memory_mb(device) == 500
+
+
+def test_a_new_run_in_the_same_process_starts_its_cpu_peak_afresh():
+    from runner.report import metrics
+
+    big = bytearray(400 * 2**20)
+    big[:: 4096] = b"x" * len(big[:: 4096])  # touched: resident
+    assert metrics.peak_memory_mb() > 400
+    del big
+    metrics.reset_peak_memory()
+    assert metrics.peak_memory_mb() < metrics.current_memory_mb() + 50  # the peak is now, not the 400 MB before
