@@ -106,6 +106,7 @@ def reset_peak_memory() -> None:
     lifetime peak RSS, CUDA's peak counters and the run peak kept above)."""
     _run_peak_mb.clear()
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the caching allocator's blocks from before count as reserved otherwise
         for index in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(index)
     try:
