@@ -11,10 +11,10 @@ several ZeRO jobs in one process; each is fenced by the versions it was verified
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -273,7 +273,9 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
     bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
     calls it, parameters in the same order; only a rank with `keep` (the one that writes)
-    holds the host copy, so the others never carry a second full model."""
+    holds the host copy, so the others never carry a second full model. One parameter is
+    gathered at a time (safe_get_full_fp32_param all-gathers its fp32 partitions) and
+    copied to the host before the next: never the whole model on the device."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -281,8 +283,7 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
-            value = safe_get_full_fp32_param(p)
-            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone() if keep else None
+            full[id(p)] = _host_copy(safe_get_full_fp32_param(p), p, keep)
         state[name] = full[id(p)]
     if not keep:
         return {}
@@ -291,6 +292,32 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
         if name in persistent:
             state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
     return state
+
+
+def _host_copy(gathered: Any, param: Any, keep: bool) -> Any:
+    """The host copy of one gathered fp32 parameter (None unless `keep`). A function of
+    its own so that the gathered tensor is freed on return, before the next parameter
+    is gathered: held in the caller's loop variable, each one stayed alive through the
+    next one's gather, two parameters on the device at once (tests/train/test_finish.py)."""
+    if not keep:
+        return None
+    return (param.detach() if gathered is None else gathered).float().cpu().clone()
+
+
+def zero3_parameter_pieces(model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each ZeRO-3 parameter's pieces on this rank, gathering nothing: its partition
+    (`ds_tensor`, DeepSpeed's padding at the end of the last rank's cut off) and, when
+    the rank holds it whole (a persistent parameter, or one still gathered), the whole
+    parameter (see rank_fingerprints)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in model.parameters():
+        partition = p.ds_tensor.reshape(-1)
+        start = dist.get_rank(group=p.ds_process_group) * partition.numel()
+        valid = max(0, min(partition.numel(), p.ds_numel - start))
+        whole = p.data if p.ds_status == ZeroParamStatus.AVAILABLE else None
+        yield partition.narrow(0, 0, valid), whole
 
 
 def forget_world_group() -> None:
@@ -421,12 +448,11 @@ class ZeroStrategy(Strategy):
     def after_evaluation(self, model: Any) -> None:
         release_gathered_parameters(model)
 
-    def gathered(self, params: list[torch.nn.Parameter]) -> ContextManager[Any]:
+    def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if self.stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
+            yield from super().parameter_pieces(model)  # ZeRO-2: every rank holds the whole model
+            return
+        yield from zero3_parameter_pieces(model)
 
     def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
         return zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective
