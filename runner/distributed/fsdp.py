@@ -121,7 +121,7 @@ class FSDPStrategy(Strategy):
 
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
         # cpu=True on a CPU: Accelerate then builds a gloo group, which engage_on_cpu turns into FSDP.
         self.plugin = fsdp_plugin(self.spec, self.precision, model_type)
         return {"cpu": not cuda, "fsdp_plugin": self.plugin}

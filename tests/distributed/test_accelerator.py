@@ -188,8 +188,9 @@ def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
 
 
 def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
-    """GPT-2 small (hidden 768): Accelerate's "auto" rule, not DeepSpeed's billion-scale
-    defaults, and no more than a prefetch bucket of gathered parameters kept live."""
+    """GPT-2 small (hidden 768) on a CPU: Accelerate's "auto" rule, not DeepSpeed's
+    billion-scale defaults, and no more than a prefetch bucket of gathered parameters
+    kept live."""
     h = 768
     _, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), 1.0, monkeypatch, hidden_size=h)
     zero = parsed.zero_config
@@ -198,6 +199,52 @@ def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
     assert zero.param_persistence_threshold == 10 * h
     assert zero.max_live_parameters == 530_841  # DeepSpeed's default: 1e9, the whole model
     assert zero.max_reuse_distance == 530_841  # DeepSpeed's default: 1e9, the whole model gathered after forward
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu"])
+def test_zero3_prefetches_the_next_layer_on_a_gpu_only(cuda, monkeypatch):
+    """The device decides ZeRO-3's residency (build_accelerator reads torch.cuda, mocked
+    here; Accelerator() is replaced by a recorder of its arguments, and DeepSpeed's own
+    parser reads the config). On a CPU the small sizes stay: 0.9 h², less than a layer.
+    On a GPU the prefetch bucket holds the next transformer layer, counted on the model
+    (GPT-2 small's: 12 h² + 13 h), and the live parameters the current one plus it."""
+    import deepspeed.runtime.config as ds_config
+
+    import runner.distributed.accelerator as accelerator_module
+    from runner.components.model import layer_parameters
+
+    h = 768
+    with torch.device("meta"):
+        gpt2_small = GPT2LMHeadModel(GPT2Config(n_embd=h, n_layer=2, n_head=12))
+    layer = layer_parameters(gpt2_small)
+    assert layer == 12 * h * h + 13 * h == 7_087_872  # weights 12 h², biases and norms 13 h
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    recorded = {}
+    monkeypatch.setattr(accelerator_module, "Accelerator", lambda **kwargs: recorded.update(kwargs))
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(kind=PrecisionKind.bf16))
+    build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=1.0, per_device_batch_size=4, hidden_size=h,
+                      layer_parameters=layer)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: 1)
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    zero = ds_config.DeepSpeedConfig(recorded["deepspeed_plugin"].deepspeed_config).zero_config
+    assert zero.reduce_bucket_size == h * h and zero.param_persistence_threshold == 10 * h  # either device
+    if not cuda:
+        assert zero.prefetch_bucket_size == zero.max_live_parameters == zero.max_reuse_distance == 530_841
+        assert zero.prefetch_bucket_size < layer  # no room for a layer: nothing to overlap on gloo anyway
+        return
+    assert zero.prefetch_bucket_size == layer >= 12 * h * h  # the next layer, prefetched whole
+    assert zero.max_live_parameters == 2 * layer == 14_175_744  # the layer computing + the one prefetched
+    assert zero.max_live_parameters >= zero.prefetch_bucket_size + layer
+    assert zero.max_reuse_distance == layer
+
+
+def test_zero3_gpu_prefetch_without_a_layer_count_is_gpt2s_layer():
+    from runner.distributed.deepspeed import zero_sizes
+
+    sizes = zero_sizes(3, 1024, cuda=True)
+    assert sizes["stage3_prefetch_bucket_size"] == 12 * 1024 * 1024  # GPT-2's layer weights, 12 h²
+    assert sizes["stage3_max_live_parameters"] == 2 * 12 * 1024 * 1024
+    assert zero_sizes(2, 1024, cuda=True) == zero_sizes(2, 1024) == {"reduce_bucket_size": 1024 * 1024}
 
 
 def test_zero2_gets_the_model_sized_reduce_bucket_and_no_zero3_keys(monkeypatch):
