@@ -148,7 +148,16 @@ class FSDPStrategy(Strategy):
         # parameter gathered at a time (DTensor.full_tensor), copied to rank 0's CPU, the
         # gathered tensor freed before the next; the other ranks keep nothing.
         reshard(model)
-        return accelerator.get_state_dict(model)
+        state = accelerator.get_state_dict(model)
+        # Tied weights (GPT-2's lm_head and wte: one parameter, two names) come back as two
+        # gathered copies, which save_pretrained cannot tell are tied: model/ held the
+        # embedding twice, unlike ddp's. Both names point at one tensor, as in the model.
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owner = first.setdefault(id(param), name)
+            if owner != name and owner in state and name in state:
+                state[name] = state[owner]
+        return state
 
 
 def reshard(model: Any) -> None:
