@@ -268,23 +268,91 @@ def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     assert loader._non_blocking is cuda
 
 
-def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_copy():
-    """DeepSpeed keeps a second fp32 copy of each ZeRO-3 partition even in fp32 (its
-    `tensor.device == "cpu"` check is never true); runner points it at the working one."""
-    from types import SimpleNamespace
+def _zero3_engine(precision=PrecisionKind.fp32):
+    """A real one-rank ZeRO-3 engine over the micro GPT-2, prepared as the worker does
+    (runner's optimizer with its two groups, the strategy's after_prepare)."""
+    from runner.components.optim import build_optimizer
 
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(kind=precision))
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=0.0, per_device_batch_size=2,
+                                    hidden_size=32)
+    model = _micro_gpt2()
+    optimizer = build_optimizer(OptimSpec(fused=False), model, 1e-2)
+    strategy.before_prepare(model, accelerator)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    strategy.after_prepare(accelerator, model)
+    return strategy, accelerator, model, optimizer
+
+
+def _zero3_step(strategy, accelerator, model, optimizer, seed):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with accelerator.accumulate(model):
+        strategy.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+        strategy.optimizer_step(accelerator, optimizer)
+
+
+def test_zero3_fp32_master_shares_the_working_partition_through_training_save_and_load(one_rank_group, tmp_path):
+    """A real ZeRO-3 engine in fp32 (one rank, gloo): DeepSpeed keeps a second fp32 copy
+    of each partition (its `tensor.device == "cpu"` check is never true); runner points
+    the optimizer's master at the working partition. They must stay one storage through
+    optimizer steps, Accelerate's save_state and load_state, and after the load hold the
+    saved values, with training continuing exactly as from the saved state."""
     from runner.distributed.deepspeed import share_zero3_fp32_master
 
-    working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
-    master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
-    engine = SimpleNamespace(optimizer=SimpleNamespace(fp16_partitioned_groups_flat=working, fp32_partitioned_groups_flat=master))
-    assert share_zero3_fp32_master(engine) == 6 * 4
-    assert master[0].data_ptr() == working[0].data_ptr()  # one storage: the step's copy back is onto itself
-    master[0].data.add_(1)
-    assert torch.equal(working[0], torch.arange(1, 7, dtype=torch.float32))
-    assert master[1].dtype == torch.float32 and master[1].data_ptr() != working[1].data_ptr()  # a real master copy stays
-    assert torch.equal(master[2], torch.ones(3))  # never shares values that differ
-    assert share_zero3_fp32_master(SimpleNamespace(optimizer=None)) == 0  # not a ZeRO-3 engine: nothing to do
+    strategy, accelerator, model, optimizer = _zero3_engine()
+    zero = model.optimizer
+    assert share_zero3_fp32_master(model) == 0  # after_prepare shared them already: nothing left to share
+
+    def shared() -> list[bool]:  # per parameter group: master and working partition are one storage
+        return [m.data_ptr() == w.data_ptr() for m, w in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)]
+
+    assert len(zero.fp32_partitioned_groups_flat) == 2  # runner's decay and no-decay groups
+    assert shared() == [True, True]
+    _zero3_step(strategy, accelerator, model, optimizer, seed=1)
+    assert shared() == [True, True]
+    saved = [t.clone() for t in zero.fp32_partitioned_groups_flat]
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    _zero3_step(strategy, accelerator, model, optimizer, seed=2)
+    after_save = [t.clone() for t in zero.fp32_partitioned_groups_flat]
+    assert not all(torch.equal(a, b) for a, b in zip(saved, after_save))  # the step moved the weights
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert shared() == [True, True]
+    for master, working, value in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, saved):
+        assert torch.equal(master, value) and torch.equal(working, value)  # the loaded values, in both
+    _zero3_step(strategy, accelerator, model, optimizer, seed=2)  # the same step again, from the loaded state
+    assert shared() == [True, True]
+    for got, expected in zip(zero.fp32_partitioned_groups_flat, after_save):
+        assert torch.equal(got, expected)
+
+
+def test_zero3_master_is_not_shared_unless_it_is_a_true_copy(one_rank_group):
+    """On real engines: a bf16 engine's fp32 master is no copy of its bf16 partition, and
+    an fp32 master whose values differ from the working partition is never shared."""
+    from runner.distributed.deepspeed import share_zero3_fp32_master
+
+    _, _, bf16, _ = _zero3_engine(PrecisionKind.bf16)
+    zero = bf16.optimizer
+    assert {t.dtype for t in zero.fp16_partitioned_groups_flat} == {torch.bfloat16}
+    assert share_zero3_fp32_master(bf16) == 0
+    assert all(m.data_ptr() != w.data_ptr() for m, w in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat))
+    reset_accelerate_state()
+
+    from deepspeed.runtime.zero import stage3
+
+    # An fp32 engine as DeepSpeed leaves it (after_prepare not run), its master moved off the working values.
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=0.0, per_device_batch_size=2, hidden_size=32)
+    model = _micro_gpt2()
+    engine, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    zero = engine.optimizer
+    assert isinstance(zero, stage3.DeepSpeedZeroOptimizer_Stage3)
+    master, working = zero.fp32_partitioned_groups_flat[0], zero.fp16_partitioned_groups_flat[0]
+    assert master.data_ptr() != working.data_ptr() and torch.equal(master, working)  # DeepSpeed's second copy
+    original = master.detach().clone()
+    master.data[0] += 1
+    assert share_zero3_fp32_master(engine) == 0 and master.data_ptr() != working.data_ptr()
+    master.data.copy_(original)
+    assert share_zero3_fp32_master(engine) == master.numel() * 4 and master.data_ptr() == working.data_ptr()
 
 
 def test_reset_forgets_deepspeeds_cached_world_group(monkeypatch):
