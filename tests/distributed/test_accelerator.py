@@ -101,6 +101,22 @@ def test_rank_sync_check():
         check_in_sync([1.0, 1.5])
 
 
+def test_rank_fingerprint_sums_what_a_rank_holds_whole_and_the_shards_of_the_rest():
+    """rank_fingerprints gathers nothing: a parameter held whole adds its own sum (a
+    drifted replica shows), a sharded one the sum of its shards (all-reduced over the
+    ranks; one rank here). Summed in float64, without a float64 copy."""
+    from types import SimpleNamespace
+
+    from runner.distributed.engagement import rank_fingerprints
+
+    whole = torch.tensor([1.0, 2.0])
+    shard = torch.tensor([0.25, 0.5])
+    both = (torch.tensor([100.0]), torch.tensor([3.0]))  # held whole too: the whole copy counts, not the shard
+    strategy = SimpleNamespace(parameter_pieces=lambda model: iter([(None, whole), (shard, None), both]))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)
+    assert rank_fingerprints(accelerator, None, strategy) == [3.0 + 0.75 + 3.0]
+
+
 def test_unwrap_leaves_torch_compile_over_ddp_intact():
     """Accelerate's unwrap_model re-points a compiled wrapper at the bare model, which drops
     DDP from the model being trained (seen as 'expected DistributedDataParallel, got
