@@ -147,12 +147,22 @@ def test_ranks_hold_identical_parameters(runs, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_saved_model_reloads_with_the_same_weights(runs, name):
+    """Every key of model/ and every value, by name, against one process's (a key
+    missing from the file would be filled in by from_pretrained's initialisation, so
+    the files are compared too, not only the reloaded models)."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(runs[name] / "model")
-    reference = AutoModelForCausalLM.from_pretrained(runs["single_8"] / "model")
-    for (key, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items()):
-        assert torch.allclose(p.float(), q.float(), atol=1e-4), key
+    saved, reference_saved = (load_file(str(runs[n] / "model" / "model.safetensors")) for n in (name, "single_8"))
+    assert sorted(saved) == sorted(reference_saved)
+    model = AutoModelForCausalLM.from_pretrained(runs[name] / "model").state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(runs["single_8"] / "model").state_dict()
+    assert sorted(model) == sorted(reference)
+    for mine, theirs in ((saved, reference_saved), (model, reference)):
+        for key, expected in theirs.items():
+            got = mine[key]
+            assert got.dtype == expected.dtype == torch.float32 and got.shape == expected.shape, key
+            assert torch.allclose(got, expected, atol=1e-4, rtol=0), (key, (got - expected).abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["zero2_2x4", "fsdp_2x4"])

@@ -146,6 +146,18 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     return model
 
 
+def layer_parameters(model: PreTrainedModel) -> int | None:
+    """The parameters of one transformer layer: the first module of a class the model
+    names in `_no_split_modules` (transformers' list of its layer classes, what
+    Accelerate's FSDP auto-wrap reads); None when it names none. Sizes ZeRO-3's prefetch
+    on a GPU (runner/distributed/deepspeed.py zero_sizes)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in names:
+            return sum(p.numel() for p in module.parameters())
+    return None
+
+
 def count_parameters(model: "PreTrainedModel") -> int:
     """Every parameter once, at its full size, whatever the strategy."""
     # Tied weights (GPT-2's lm_head and wte) are one tensor; count it once.

@@ -11,10 +11,10 @@ several ZeRO jobs in one process; each is fenced by the versions it was verified
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -40,7 +40,12 @@ ZERO_STAGE = {StrategyKind.zero2: 2, StrategyKind.zero3: 3}
 DEEPSPEED_FP16 = {"initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
 
 
-def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
+# A GPT-2 transformer layer's weights, in units of h² (attention 4 h², MLP 8 h²; biases
+# and norms are O(h)): the per-layer size used when the model's own is not known.
+GPT2_LAYER_WEIGHTS = 12
+
+
+def zero_sizes(stage: int, hidden_size: int, cuda: bool = False, layer_parameters: int | None = None) -> dict[str, int]:
     """ZeRO's bucket and residency sizes from the model's width, in elements.
 
     DeepSpeed's fixed defaults are sized for billions of parameters: a 5e8-element
@@ -50,21 +55,35 @@ def zero_sizes(stage: int, hidden_size: int) -> dict[str, int]:
     resident from forward through backward: the full model on every rank, the
     opposite of ZeRO-3. Accelerate's "auto" rule sets the first three from the hidden
     size (reduce bucket = hidden², prefetch = 0.9 hidden², parameters under 10 hidden
-    elements stay unpartitioned); runner uses it, and bounds the prefetch by the same
-    measure: at most one prefetch bucket's worth of parameters live. The reuse distance
-    is one prefetch bucket too: DeepSpeed's 1e9 keeps every parameter gathered in
-    forward until backward, the whole model on each rank at the end of forward (on
-    GPT-2 small x 2: peak 2.55 GB, 0.79 of ddp; with one bucket 2.22 GB, 0.69).
-    Measured in bench/README.md (strategy_memory.py)."""
+    elements stay unpartitioned); runner uses it.
+
+    On a CPU runner also bounds the live parameters by the prefetch bucket, and the
+    reuse distance too: DeepSpeed's 1e9 keeps every parameter gathered in forward until
+    backward, the whole model on each rank at the end of forward (on GPT-2 small x 2:
+    peak 2.55 GB, 0.79 of ddp; with one bucket 2.22 GB, 0.69). A CPU's gloo collectives
+    do not overlap compute anyway, so a smaller prefetch costs nothing there. Measured
+    in bench/README.md (strategy_memory.py).
+
+    On a GPU those sizes would leave DeepSpeed no room to prefetch: 0.9 h² is less than
+    one layer (GPT-2's is 12 h²), so every layer's all-gather would start only when the
+    layer is reached, on the critical path of NCCL's stream instead of overlapping the
+    previous layer's compute. There the prefetch bucket is one transformer layer
+    (`layer_parameters`, counted on the model; else GPT-2's 12 h²), and the live
+    parameters two: the layer computing plus the one prefetched. The reuse distance is
+    one layer, so the memory stays bounded by two layers as on a CPU it is by a bucket."""
     hidden2 = hidden_size * hidden_size
     sizes = {"reduce_bucket_size": hidden2}
     if stage == 3:
-        prefetch = int(0.9 * hidden2)
+        if cuda:
+            layer = layer_parameters or GPT2_LAYER_WEIGHTS * hidden2
+            prefetch, live, reuse = layer, 2 * layer, layer
+        else:
+            prefetch = live = reuse = int(0.9 * hidden2)
         sizes.update({
             "stage3_prefetch_bucket_size": prefetch,
             "stage3_param_persistence_threshold": 10 * hidden_size,
-            "stage3_max_live_parameters": prefetch,
-            "stage3_max_reuse_distance": prefetch,
+            "stage3_max_live_parameters": live,
+            "stage3_max_reuse_distance": reuse,
         })
     return sizes
 
@@ -77,6 +96,8 @@ def deepspeed_config(
     per_device_batch_size: int,
     world_size: int,
     hidden_size: Optional[int] = None,
+    cuda: bool = False,
+    layer_parameters: int | None = None,
 ) -> dict[str, Any]:
     """The complete DeepSpeed config for a ZeRO strategy, every value explicit.
 
@@ -84,14 +105,15 @@ def deepspeed_config(
     own defaults; one of those is gradient_clipping=1.0, so ZeRO clipped even with
     optim.max_grad_norm=0 while ddp did not. Here nothing is left to fill: clipping 0
     means 0 (DeepSpeed's "no clipping"), and the precision sections are ours. Bucket
-    sizes come from the model's `hidden_size` (zero_sizes); without one (a model config
-    that names no width) DeepSpeed's own defaults apply.
+    sizes come from the model's `hidden_size`, the device and, on a GPU, the parameters of
+    one transformer layer (zero_sizes); without a width (a model config that names
+    none) DeepSpeed's own defaults apply.
     """
     stage = ZERO_STAGE[strategy.kind]
     zero: dict[str, Any] = {
         "stage": stage,
         "offload_optimizer": {"device": strategy.offload_optimizer.value},
-        **(zero_sizes(stage, hidden_size) if hidden_size else {}),
+        **(zero_sizes(stage, hidden_size, cuda, layer_parameters) if hidden_size else {}),
     }
     if stage == 3:
         zero["offload_param"] = {"device": strategy.offload_params.value}
@@ -273,7 +295,9 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
     bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
     calls it, parameters in the same order; only a rank with `keep` (the one that writes)
-    holds the host copy, so the others never carry a second full model."""
+    holds the host copy, so the others never carry a second full model. One parameter is
+    gathered at a time (safe_get_full_fp32_param all-gathers its fp32 partitions) and
+    copied to the host before the next: never the whole model on the device."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
@@ -281,8 +305,7 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
-            value = safe_get_full_fp32_param(p)
-            full[id(p)] = (p.detach() if value is None else value).float().cpu().clone() if keep else None
+            full[id(p)] = _host_copy(safe_get_full_fp32_param(p), p, keep)
         state[name] = full[id(p)]
     if not keep:
         return {}
@@ -291,6 +314,32 @@ def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
         if name in persistent:
             state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
     return state
+
+
+def _host_copy(gathered: Any, param: Any, keep: bool) -> Any:
+    """The host copy of one gathered fp32 parameter (None unless `keep`). A function of
+    its own so that the gathered tensor is freed on return, before the next parameter
+    is gathered: held in the caller's loop variable, each one stayed alive through the
+    next one's gather, two parameters on the device at once (tests/train/test_finish.py)."""
+    if not keep:
+        return None
+    return (param.detach() if gathered is None else gathered).float().cpu().clone()
+
+
+def zero3_parameter_pieces(model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each ZeRO-3 parameter's pieces on this rank, gathering nothing: its partition
+    (`ds_tensor`, DeepSpeed's padding at the end of the last rank's cut off) and, when
+    the rank holds it whole (a persistent parameter, or one still gathered), the whole
+    parameter (see rank_fingerprints)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in model.parameters():
+        partition = p.ds_tensor.reshape(-1)
+        start = dist.get_rank(group=p.ds_process_group) * partition.numel()
+        valid = max(0, min(partition.numel(), p.ds_numel - start))
+        whole = p.data if p.ds_status == ZeroParamStatus.AVAILABLE else None
+        yield partition.narrow(0, 0, valid), whole
 
 
 def forget_world_group() -> None:
@@ -342,10 +391,10 @@ class ZeroStrategy(Strategy):
 
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
         # DeepSpeed on CPU needs cpu=False with a gloo process group.
         config = deepspeed_config(self.spec, self.precision, grad_accum_steps, max_grad_norm, per_device_batch_size,
-                                  world_size, hidden_size)
+                                  world_size, hidden_size, cuda=cuda, layer_parameters=layer_parameters)
         return {"cpu": False, "deepspeed_plugin": deepspeed_plugin(config)}
 
     def before_prepare(self, model: torch.nn.Module, accelerator: "Accelerator") -> None:
@@ -421,12 +470,11 @@ class ZeroStrategy(Strategy):
     def after_evaluation(self, model: Any) -> None:
         release_gathered_parameters(model)
 
-    def gathered(self, params: list[torch.nn.Parameter]) -> ContextManager[Any]:
+    def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if self.stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
+            yield from super().parameter_pieces(model)  # ZeRO-2: every rank holds the whole model
+            return
+        yield from zero3_parameter_pieces(model)
 
     def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
         return zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective

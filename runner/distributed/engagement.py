@@ -13,7 +13,6 @@ import torch
 from accelerate import Accelerator
 
 from runner.config.spec import RunSpec
-from runner.distributed.grad_norm import full_value
 from runner.distributed.strategies import build_strategy
 from runner.distributed.strategy import MIXED_PRECISION, Strategy, adamw_name, innermost_optimizer
 
@@ -57,14 +56,40 @@ def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: 
 
 
 def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: Strategy) -> list[float]:
-    """Sum of every parameter, one per rank: after a step all ranks must hold the same model.
-    Under ZeRO-3 and fsdp each rank holds a shard, so the full parameters are gathered first."""
-    params = list(model.parameters())
-    with strategy.gathered(params):
-        # fsdp: a DTensor's sum is partial per rank; full_value all-reduces it.
-        total = torch.stack([full_value(p.detach().double().sum()) for p in params]).sum()
-    values = accelerator.gather(total.reshape(1).to(accelerator.device))
+    """The sum of every parameter, one value per rank, without gathering any parameter.
+
+    What the check is for: a rank that silently trains another model than its peers
+    (Accelerate's fallback to unsynchronised copies on CPU). Under ddp each rank holds
+    the whole model, so each sums its own replica and a drifted one differs.
+
+    Under ZeRO-3 and fsdp a parameter is split into shards, one per rank, and a whole
+    parameter only ever exists as an all-gather of those shards, identical on every rank
+    by construction: summing gathered parameters can never disagree across ranks, and
+    gathering them all at once before the final save is the out-of-memory a sharded run
+    must never meet. What can drift is what a rank holds whole beside the shards (ZeRO-3's
+    persistent small parameters, or any parameter left gathered), so: a parameter a rank
+    holds whole adds its local sum, and a sharded one adds the sum of all ranks' shards
+    (one all-reduce of a vector of per-parameter partial sums). Every rank then reports
+    the model's sum, the same number as ddp's, unless some whole copy has drifted.
+    (`strategy.parameter_pieces` says which piece each rank holds.)"""
+    device = accelerator.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    shard_sums, whole_sums = [], []
+    for shard, whole in strategy.parameter_pieces(model):
+        shard_sums.append(_sum(shard, device) if shard is not None else zero)
+        whole_sums.append(_sum(whole, device) if whole is not None else None)
+    totals = torch.stack(shard_sums) if shard_sums else zero.new_zeros(0)
+    if torch.distributed.is_initialized():  # every rank, whatever it holds whole: a collective
+        torch.distributed.all_reduce(totals)  # each sharded parameter's sum over every rank's shard
+    total = sum((w if w is not None else totals[i] for i, w in enumerate(whole_sums)), zero)
+    values = accelerator.gather(total.reshape(1))
     return [float(v) for v in values.cpu()]
+
+
+def _sum(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """Accumulated in float64 without a float64 copy of the tensor (an offloaded piece
+    sits on the CPU: its sum joins the others on the device)."""
+    return torch.sum(tensor.detach(), dtype=torch.float64).to(device)
 
 
 def check_in_sync(fingerprints: list[float]) -> None:

@@ -7,6 +7,7 @@ one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check afte
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, StrategySpec
 from runner.distributed.patches import FSDP2_ON_CPU, engaged
@@ -119,7 +121,7 @@ class FSDPStrategy(Strategy):
 
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
         # cpu=True on a CPU: Accelerate then builds a gloo group, which engage_on_cpu turns into FSDP.
         self.plugin = fsdp_plugin(self.spec, self.precision, model_type)
         return {"cpu": not cuda, "fsdp_plugin": self.plugin}
@@ -130,3 +132,42 @@ class FSDPStrategy(Strategy):
 
     def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
         return engagement_problems(accelerator, model, self.spec, self.precision)
+
+    def after_evaluation(self, model: Any) -> None:
+        reshard(model)
+
+    def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        reshard(model)  # the sharded DTensors registered again, nothing left whole
+        for p in model.parameters():
+            # A DTensor: this rank's shard (FSDP2's local tensor has no padding). A plain
+            # parameter (one fully_shard does not manage) is held whole on every rank.
+            yield (p.to_local(), None) if isinstance(p, DTensor) else (None, p)
+
+    def full_state_dict(self, accelerator: Accelerator, model: Any) -> dict[str, Any]:
+        # Accelerate's get_model_state_dict(full_state_dict=True, cpu_offload=True): one
+        # parameter gathered at a time (DTensor.full_tensor), copied to rank 0's CPU, the
+        # gathered tensor freed before the next; the other ranks keep nothing.
+        reshard(model)
+        state = accelerator.get_state_dict(model)
+        # Tied weights (GPT-2's lm_head and wte: one parameter, two names) come back as two
+        # gathered copies, which save_pretrained cannot tell are tied: model/ held the
+        # embedding twice, unlike ddp's. Both names point at one tensor, as in the model.
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owner = first.setdefault(id(param), name)
+            if owner != name and owner in state and name in state:
+                state[name] = state[owner]
+        return state
+
+
+def reshard(model: Any) -> None:
+    """Free every FSDP unit's gathered parameters, keeping only each rank's shards.
+
+    An evaluation is forward passes with no backward, and FSDP2 reshards in forward only
+    the units with reshard_after_forward=true, never the root (its embeddings, the
+    largest parameters of a GPT-2): after the run's final evaluation they stayed whole
+    on every rank through the fingerprint and the save, and with
+    strategy.reshard_after_forward=false the whole model did."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

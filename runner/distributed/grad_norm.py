@@ -75,10 +75,3 @@ def _sum_of_squares(g: Any) -> Any:
     chunks = flat.split(NORM_CHUNK_ELEMENTS) if flat.numel() else [flat]
     return torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64).square() for c in chunks]).sum()
 
-
-def full_value(value: Any) -> Any:
-    """A plain tensor from a norm over FSDP2's sharded (DTensor) gradients: the norm of
-    each rank's shard combined over all ranks (an all-reduce), so every rank holds the
-    global norm. A plain tensor is returned as it is."""
-    full_tensor = getattr(value, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else value

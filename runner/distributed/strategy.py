@@ -10,14 +10,14 @@ spec before the Accelerator (runner/distributed/strategies.py) and lives for the
 Order of use (runner/train/worker.py, runner/train/trainer.py):
   accelerator_options -> after_accelerator -> before_prepare -> prepare -> after_prepare
   -> engagement_problems -> per micro-batch: backward; per window: grad_norm,
-  found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> gathered
+  found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> parameter_pieces
   (fingerprints) -> full_state_dict (model/).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
@@ -78,7 +78,7 @@ class Strategy:
     # ------------------------------------------------------------ the Accelerator
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
         """Keyword arguments for Accelerator(): a plugin, and whether it runs as `cpu`.
         DDP on CPU needs cpu=True, else two unsynchronised copies."""
         return {"cpu": not cuda}
@@ -145,13 +145,17 @@ class Strategy:
         """Called after an evaluation's last forward."""
 
     # ------------------------------------------------------------ the end
-    def gathered(self, params: list[torch.nn.Parameter]) -> ContextManager[Any]:
-        """A context in which `params` are whole on every rank (for the rank fingerprints)."""
-        return contextlib.nullcontext()
+    def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """For each parameter, in the same order on every rank: (this rank's shard, or None
+        when the parameter is not sharded; the whole parameter if this rank holds it, else
+        None). Nothing is gathered (runner/distributed/engagement.py rank_fingerprints)."""
+        for p in model.parameters():
+            yield None, p
 
     def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
         """The whole model's fp32 state dict on the main process (empty elsewhere); a
-        collective: every rank calls it."""
+        collective: every rank calls it. A sharding strategy gathers one parameter at a
+        time into it, never the whole model on the device (tests/train/test_finish.py)."""
         return accelerator.get_state_dict(model)
 
 

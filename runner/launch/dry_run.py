@@ -35,7 +35,9 @@ def model_shape(spec: RunSpec) -> ModelShape:
 def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
     """Per-rank memory under each compared strategy (no offload), as the dry run prints
     it and bench/strategy_memory.py sets it beside what it measures."""
-    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size, layers=shape.layers)
+    cuda = torch.cuda.is_available()
+    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size, layers=shape.layers,
+                               cuda=cuda)
             for s in COMPARED_STRATEGIES}
 
 
@@ -55,7 +57,7 @@ def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
     offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
     offload_par = spec.strategy.offload_params is OffloadDevice.cpu
     estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par,
-                               hidden_size=shape.hidden_size, layers=shape.layers)
+                               hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available())
     comparison = estimates(shape, plan.precision, world_size)
     return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"
 

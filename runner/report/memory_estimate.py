@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from runner.distributed.deepspeed import zero_sizes
+from runner.distributed.deepspeed import GPT2_LAYER_WEIGHTS, zero_sizes
 
 # The strategies the dry run compares and bench/strategy_memory.py measures; which of
 # them shard gradients with optimizer state, and parameters too. A new strategy is one
@@ -15,8 +15,6 @@ COMPARED_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 SHARDS_GRADS_AND_OPTIMIZER = frozenset({"zero2", "zero3", "fsdp"})
 SHARDS_PARAMS = frozenset({"zero3", "fsdp"})
 ZERO = frozenset({"zero2", "zero3"})  # DeepSpeed: 16-bit working weights under bf16/fp16
-# A GPT-2 block's weights in units of hidden²: attention 4h² (qkv 3h², projection h²), MLP 8h².
-GPT2_LAYER_WEIGHTS = 12
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,15 @@ def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int)
 
 
 def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int],
-             layers: Optional[int] = None) -> float:
+             layers: Optional[int] = None, cuda: bool = False) -> float:
     """Working memory beyond the states, in bytes.
 
     ddp: torch's DDP reduces gradients through buckets that are a second copy of every
     gradient (Accelerate leaves gradient_as_bucket_view off). ZeRO: the reduce bucket
     (runner/distributed/deepspeed.py zero_sizes), and under ZeRO-3 the gathered parameters: a parameter is
     kept gathered while it is reused within one prefetch bucket (the reuse distance),
-    so about a bucket is live, plus a parameter larger than a bucket gathered alone:
+    so about a bucket is live (on a GPU, a layer computing and one prefetched), plus a
+    parameter larger than a bucket gathered alone:
     GPT-2's embedding, taken as everything outside the layers when `layers` is known
     (the whole model otherwise), at the working precision. Unknown width (hidden_size
     None): ZeRO's buffers are left out."""
@@ -68,11 +67,11 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     if strategy not in ZERO or not hidden_size:
         return 0.0
     stage = 3 if strategy in SHARDS_PARAMS else 2
-    sizes = zero_sizes(stage, hidden_size)
+    sizes = zero_sizes(stage, hidden_size, cuda)
     total = sizes["reduce_bucket_size"] * grad_bytes
     if stage == 3:
         largest = _outside_layers(n, hidden_size, layers) if layers else n
-        total += (largest + sizes["stage3_prefetch_bucket_size"]) * weight_bytes
+        total += (largest + sizes["stage3_max_live_parameters"]) * weight_bytes
     return float(total)
 
 
@@ -80,6 +79,7 @@ def estimate_memory(
     n_params: int, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False, offload_params: bool = False,
     hidden_size: Optional[int] = None,
     layers: Optional[int] = None,
+    cuda: bool = False,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -92,6 +92,7 @@ def estimate_memory(
     model's width) sizes ZeRO's buffers (_buffers). fsdp (FSDP2) keeps fp32 shards of
     all three whatever the precision (its mixed precision casts a gathered copy), and
     its CPU offload moves all three to the host; its buffers need `layers` as well.
+    `cuda`: ZeRO-3's residency as sized on a GPU (two layers live, zero_sizes).
     """
     n, w = float(n_params), max(world_size, 1)
     half = precision in ("bf16", "fp16") and strategy in ZERO
@@ -115,5 +116,5 @@ def estimate_memory(
         compute_bytes = 2.0 if precision in ("bf16", "fp16") else 4.0
         buffers = _fsdp_buffers(n, compute_bytes, hidden_size, layers) if hidden_size and layers else 0.0
     else:
-        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers)
+        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)

@@ -40,6 +40,7 @@ from runner.components.model import (
     build_model,
     build_tokenizer,
     count_parameters,
+    layer_parameters,
     max_positions,
 )
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
@@ -116,7 +117,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     before_model_mb = current_memory_mb(None)
     built = build_seeded_model(spec)  # 2
     strategy = build_strategy(spec.strategy, spec.precision)
-    accelerator = make_accelerator(spec, strategy, built.config, run_dir)  # 3
+    accelerator = make_accelerator(spec, strategy, built, run_dir)  # 3
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(built.config), built.tokenizer.model_max_length)
     data = load_data(spec, accelerator, built.tokenizer, block_size)  # 4
@@ -156,13 +157,15 @@ def build_seeded_model(spec: RunSpec) -> Built:
     return Built(tokenizer, config, build_model(spec.model, config, len(tokenizer)))
 
 
-def make_accelerator(spec: RunSpec, strategy: Strategy, config: Any, run_dir: Path) -> Accelerator:
+def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: Path) -> Accelerator:
+    config = built.config
     return build_accelerator(
         strategy, spec.train.grad_accum_steps, spec.optim.max_grad_norm,
         compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
         per_device_batch_size=spec.train.per_device_batch_size, model_type=config.model_type,
         hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
+        layer_parameters=layer_parameters(built.model),  # ZeRO-3's prefetch on a GPU
     )
 
 

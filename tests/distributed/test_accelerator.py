@@ -101,6 +101,22 @@ def test_rank_sync_check():
         check_in_sync([1.0, 1.5])
 
 
+def test_rank_fingerprint_sums_what_a_rank_holds_whole_and_the_shards_of_the_rest():
+    """rank_fingerprints gathers nothing: a parameter held whole adds its own sum (a
+    drifted replica shows), a sharded one the sum of its shards (all-reduced over the
+    ranks; one rank here). Summed in float64, without a float64 copy."""
+    from types import SimpleNamespace
+
+    from runner.distributed.engagement import rank_fingerprints
+
+    whole = torch.tensor([1.0, 2.0])
+    shard = torch.tensor([0.25, 0.5])
+    both = (torch.tensor([100.0]), torch.tensor([3.0]))  # held whole too: the whole copy counts, not the shard
+    strategy = SimpleNamespace(parameter_pieces=lambda model: iter([(None, whole), (shard, None), both]))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)
+    assert rank_fingerprints(accelerator, None, strategy) == [3.0 + 0.75 + 3.0]
+
+
 def test_unwrap_leaves_torch_compile_over_ddp_intact():
     """Accelerate's unwrap_model re-points a compiled wrapper at the bare model, which drops
     DDP from the model being trained (seen as 'expected DistributedDataParallel, got
@@ -188,8 +204,9 @@ def test_zero3_offload_and_16bit_gather_reach_deepspeed(monkeypatch):
 
 
 def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
-    """GPT-2 small (hidden 768): Accelerate's "auto" rule, not DeepSpeed's billion-scale
-    defaults, and no more than a prefetch bucket of gathered parameters kept live."""
+    """GPT-2 small (hidden 768) on a CPU: Accelerate's "auto" rule, not DeepSpeed's
+    billion-scale defaults, and no more than a prefetch bucket of gathered parameters
+    kept live."""
     h = 768
     _, parsed = _engine_config(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(), 1.0, monkeypatch, hidden_size=h)
     zero = parsed.zero_config
@@ -198,6 +215,52 @@ def test_zero3_buckets_and_residency_are_sized_from_the_model(monkeypatch):
     assert zero.param_persistence_threshold == 10 * h
     assert zero.max_live_parameters == 530_841  # DeepSpeed's default: 1e9, the whole model
     assert zero.max_reuse_distance == 530_841  # DeepSpeed's default: 1e9, the whole model gathered after forward
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu"])
+def test_zero3_prefetches_the_next_layer_on_a_gpu_only(cuda, monkeypatch):
+    """The device decides ZeRO-3's residency (build_accelerator reads torch.cuda, mocked
+    here; Accelerator() is replaced by a recorder of its arguments, and DeepSpeed's own
+    parser reads the config). On a CPU the small sizes stay: 0.9 h², less than a layer.
+    On a GPU the prefetch bucket holds the next transformer layer, counted on the model
+    (GPT-2 small's: 12 h² + 13 h), and the live parameters the current one plus it."""
+    import deepspeed.runtime.config as ds_config
+
+    import runner.distributed.accelerator as accelerator_module
+    from runner.components.model import layer_parameters
+
+    h = 768
+    with torch.device("meta"):
+        gpt2_small = GPT2LMHeadModel(GPT2Config(n_embd=h, n_layer=2, n_head=12))
+    layer = layer_parameters(gpt2_small)
+    assert layer == 12 * h * h + 13 * h == 7_087_872  # weights 12 h², biases and norms 13 h
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    recorded = {}
+    monkeypatch.setattr(accelerator_module, "Accelerator", lambda **kwargs: recorded.update(kwargs))
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(kind=PrecisionKind.bf16))
+    build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=1.0, per_device_batch_size=4, hidden_size=h,
+                      layer_parameters=layer)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, **k: 1)
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    zero = ds_config.DeepSpeedConfig(recorded["deepspeed_plugin"].deepspeed_config).zero_config
+    assert zero.reduce_bucket_size == h * h and zero.param_persistence_threshold == 10 * h  # either device
+    if not cuda:
+        assert zero.prefetch_bucket_size == zero.max_live_parameters == zero.max_reuse_distance == 530_841
+        assert zero.prefetch_bucket_size < layer  # no room for a layer: nothing to overlap on gloo anyway
+        return
+    assert zero.prefetch_bucket_size == layer >= 12 * h * h  # the next layer, prefetched whole
+    assert zero.max_live_parameters == 2 * layer == 14_175_744  # the layer computing + the one prefetched
+    assert zero.max_live_parameters >= zero.prefetch_bucket_size + layer
+    assert zero.max_reuse_distance == layer
+
+
+def test_zero3_gpu_prefetch_without_a_layer_count_is_gpt2s_layer():
+    from runner.distributed.deepspeed import zero_sizes
+
+    sizes = zero_sizes(3, 1024, cuda=True)
+    assert sizes["stage3_prefetch_bucket_size"] == 12 * 1024 * 1024  # GPT-2's layer weights, 12 h²
+    assert sizes["stage3_max_live_parameters"] == 2 * 12 * 1024 * 1024
+    assert zero_sizes(2, 1024, cuda=True) == zero_sizes(2, 1024) == {"reduce_bucket_size": 1024 * 1024}
 
 
 def test_zero2_gets_the_model_sized_reduce_bucket_and_no_zero3_keys(monkeypatch):
@@ -221,23 +284,91 @@ def test_batches_reach_a_gpu_without_blocking_the_host(cuda):
     assert loader._non_blocking is cuda
 
 
-def test_zero3_fp32_master_shares_the_working_partition_only_when_it_is_a_true_copy():
-    """DeepSpeed keeps a second fp32 copy of each ZeRO-3 partition even in fp32 (its
-    `tensor.device == "cpu"` check is never true); runner points it at the working one."""
-    from types import SimpleNamespace
+def _zero3_engine(precision=PrecisionKind.fp32):
+    """A real one-rank ZeRO-3 engine over the micro GPT-2, prepared as the worker does
+    (runner's optimizer with its two groups, the strategy's after_prepare)."""
+    from runner.components.optim import build_optimizer
 
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec(kind=precision))
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=0.0, per_device_batch_size=2,
+                                    hidden_size=32)
+    model = _micro_gpt2()
+    optimizer = build_optimizer(OptimSpec(fused=False), model, 1e-2)
+    strategy.before_prepare(model, accelerator)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    strategy.after_prepare(accelerator, model)
+    return strategy, accelerator, model, optimizer
+
+
+def _zero3_step(strategy, accelerator, model, optimizer, seed):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with accelerator.accumulate(model):
+        strategy.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+        strategy.optimizer_step(accelerator, optimizer)
+
+
+def test_zero3_fp32_master_shares_the_working_partition_through_training_save_and_load(one_rank_group, tmp_path):
+    """A real ZeRO-3 engine in fp32 (one rank, gloo): DeepSpeed keeps a second fp32 copy
+    of each partition (its `tensor.device == "cpu"` check is never true); runner points
+    the optimizer's master at the working partition. They must stay one storage through
+    optimizer steps, Accelerate's save_state and load_state, and after the load hold the
+    saved values, with training continuing exactly as from the saved state."""
     from runner.distributed.deepspeed import share_zero3_fp32_master
 
-    working = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16), torch.zeros(3)]
-    master = [working[0].clone(), working[1].float(), torch.ones(3)]  # a copy; bf16's fp32 master; not equal
-    engine = SimpleNamespace(optimizer=SimpleNamespace(fp16_partitioned_groups_flat=working, fp32_partitioned_groups_flat=master))
-    assert share_zero3_fp32_master(engine) == 6 * 4
-    assert master[0].data_ptr() == working[0].data_ptr()  # one storage: the step's copy back is onto itself
-    master[0].data.add_(1)
-    assert torch.equal(working[0], torch.arange(1, 7, dtype=torch.float32))
-    assert master[1].dtype == torch.float32 and master[1].data_ptr() != working[1].data_ptr()  # a real master copy stays
-    assert torch.equal(master[2], torch.ones(3))  # never shares values that differ
-    assert share_zero3_fp32_master(SimpleNamespace(optimizer=None)) == 0  # not a ZeRO-3 engine: nothing to do
+    strategy, accelerator, model, optimizer = _zero3_engine()
+    zero = model.optimizer
+    assert share_zero3_fp32_master(model) == 0  # after_prepare shared them already: nothing left to share
+
+    def shared() -> list[bool]:  # per parameter group: master and working partition are one storage
+        return [m.data_ptr() == w.data_ptr() for m, w in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)]
+
+    assert len(zero.fp32_partitioned_groups_flat) == 2  # runner's decay and no-decay groups
+    assert shared() == [True, True]
+    _zero3_step(strategy, accelerator, model, optimizer, seed=1)
+    assert shared() == [True, True]
+    saved = [t.clone() for t in zero.fp32_partitioned_groups_flat]
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    _zero3_step(strategy, accelerator, model, optimizer, seed=2)
+    after_save = [t.clone() for t in zero.fp32_partitioned_groups_flat]
+    assert not all(torch.equal(a, b) for a, b in zip(saved, after_save))  # the step moved the weights
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert shared() == [True, True]
+    for master, working, value in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, saved):
+        assert torch.equal(master, value) and torch.equal(working, value)  # the loaded values, in both
+    _zero3_step(strategy, accelerator, model, optimizer, seed=2)  # the same step again, from the loaded state
+    assert shared() == [True, True]
+    for got, expected in zip(zero.fp32_partitioned_groups_flat, after_save):
+        assert torch.equal(got, expected)
+
+
+def test_zero3_master_is_not_shared_unless_it_is_a_true_copy(one_rank_group):
+    """On real engines: a bf16 engine's fp32 master is no copy of its bf16 partition, and
+    an fp32 master whose values differ from the working partition is never shared."""
+    from runner.distributed.deepspeed import share_zero3_fp32_master
+
+    _, _, bf16, _ = _zero3_engine(PrecisionKind.bf16)
+    zero = bf16.optimizer
+    assert {t.dtype for t in zero.fp16_partitioned_groups_flat} == {torch.bfloat16}
+    assert share_zero3_fp32_master(bf16) == 0
+    assert all(m.data_ptr() != w.data_ptr() for m, w in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat))
+    reset_accelerate_state()
+
+    from deepspeed.runtime.zero import stage3
+
+    # An fp32 engine as DeepSpeed leaves it (after_prepare not run), its master moved off the working values.
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=0.0, per_device_batch_size=2, hidden_size=32)
+    model = _micro_gpt2()
+    engine, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    zero = engine.optimizer
+    assert isinstance(zero, stage3.DeepSpeedZeroOptimizer_Stage3)
+    master, working = zero.fp32_partitioned_groups_flat[0], zero.fp16_partitioned_groups_flat[0]
+    assert master.data_ptr() != working.data_ptr() and torch.equal(master, working)  # DeepSpeed's second copy
+    original = master.detach().clone()
+    master.data[0] += 1
+    assert share_zero3_fp32_master(engine) == 0 and master.data_ptr() != working.data_ptr()
+    master.data.copy_(original)
+    assert share_zero3_fp32_master(engine) == master.numel() * 4 and master.data_ptr() == working.data_ptr()
 
 
 def test_reset_forgets_deepspeeds_cached_world_group(monkeypatch):

@@ -185,10 +185,16 @@ def test_fp16_consecutive_overflows_stop_the_run(tmp_path):
 
 
 @pytest.mark.e2e
-def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkeypatch):
-    """ZeRO-2 in one process (gloo): the engagement check reads the engine's offload and
-    optimizer; an inf gradient stops the run with the engine's weights and step count as
-    they were (Accelerate's own backward would have stepped the engine already)."""
+@pytest.mark.parametrize("bad", ["mlp.c_fc.weight", "mlp.c_fc.bias"])
+def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkeypatch, bad):
+    """ZeRO-2 in one process (gloo), with runner's optimizer and its two parameter
+    groups (weight decay on matrices, none on biases and norms), as every run has them:
+    the engagement check reads the engine's offload and optimizer; an inf gradient in
+    either group stops the run with the engine's weights and step count as they were
+    (Accelerate's own backward would have stepped the engine already). ZeRO-2's norm is
+    one per group combined: a group left out of it, or an inf group norm turned finite
+    (DeepSpeed 0.19.7 and older), lets the update through."""
+    from runner.components.optim import build_optimizer
     from runner.launch.launcher import free_port, prepare_environment
 
     pytest.importorskip("deepspeed")
@@ -203,10 +209,14 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
                                     per_device_batch_size=2)  # DeepSpeed's micro-batch, as the loader below
     try:
         model = micro_model()
-        inject = InfGrad(model.transformer.h[0].mlp.c_fc.weight)
+        param = model.transformer.h[0].get_parameter(bad)
+        inject = InfGrad(param)
         loader = torch.utils.data.DataLoader(list(torch.zeros(4, 8, dtype=torch.long)), batch_size=2)  # sets DeepSpeed's micro-batch
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = build_optimizer(OptimSpec(fused=False, weight_decay=0.1), model, 1e-2)
+        group = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        assert len(optimizer.param_groups) == 2 and group[id(param)] == (0 if bad.endswith("weight") else 1)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        assert len(model.optimizer.bit16_groups) == 2  # ZeRO-2 partitions each group on its own
         spec = RunSpec(strategy=StrategySpec(kind=StrategyKind.zero2), optim=OptimSpec(fused=False))
         assert check_engaged(accelerator, model, optimizer, spec, planned_world_size=1) == "AdamW (foreach)"
         spec.strategy.offload_optimizer = OffloadDevice.cpu
