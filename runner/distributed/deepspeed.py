@@ -402,7 +402,7 @@ class ZeroStrategy(Strategy):
         # Clipping is the engine's own (gradient_clipping), inside its step.
         return zero_grad_norm(accelerator.deepspeed_engine_wrapped.engine)
 
-    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    def found_inf_optimizer(self, optimizer: Any, device: torch.device) -> Optional[torch.optim.Optimizer]:
         return None  # the engine steps its own optimizer: checked on the host before the step
 
     def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:

@@ -117,11 +117,19 @@ class Strategy:
         accelerator.unscale_gradients()  # a no-op unless fp16
         return clip_and_norm([p for p in model.parameters() if p.grad is not None], max_grad_norm)
 
-    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
-        """The torch optimizer if it skips its own update on a device-side `found_inf` flag
-        (GradScaler's protocol, torch's fused AdamW); None otherwise."""
+    def found_inf_optimizer(self, optimizer: Any, device: torch.device) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer if it skips its own update on a `found_inf` flag that lives
+        on `device` (the loss's; GradScaler's protocol, torch's fused AdamW); None otherwise.
+
+        None too when any parameter is on another device (FSDP2 with offload_params=cpu:
+        the loss on the GPU, the fused step on the CPU). The kernel would copy the flag to
+        the CPU with non_blocking=True into pageable memory and could read it before the
+        copy lands, so the verdict is checked on the host before the step instead."""
         inner = innermost_optimizer(optimizer)
-        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+        if not getattr(inner, "_step_supports_amp_scaling", False):
+            return None
+        params = (p for group in inner.param_groups for p in group["params"])
+        return inner if all(p.device == device for p in params) else None
 
     def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:
         """Step the optimizer of a closed accumulation window; False when the step was
