@@ -49,6 +49,7 @@ from runner.report.log import setup_logging
 from runner.report.metrics import current_memory_mb, peak_memory_mb, summary_table, write_results
 from runner.report.plots import PLOT_FILENAME, plot_loss_curves
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.resume import resolve
@@ -98,6 +99,7 @@ def main(spec_path: str) -> None:
 
 def train(spec: RunSpec) -> dict[str, Any]:
     run_dir, t = Path(spec.run_dir), spec.train
+    use_deterministic_kernels(t.deterministic)  # 1, before anything touches CUDA
     set_host_memory_policy(spec)  # 1
     # What the process holds before any model state exists (interpreter, libraries):
     # peak memory above it is what training adds (bench/strategy_memory.py reads it).
