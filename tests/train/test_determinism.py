@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import runner.train.worker as worker
+from runner.train import worker
 from runner.config.spec import RunSpec, TrainSpec
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.resume import compare
