@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from runner.train import worker
 from runner.config.spec import RunSpec, TrainSpec
+from runner.train import worker
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.resume import compare
 
