@@ -340,6 +340,14 @@ class ZeroStrategy(Strategy):
         dropped = "; optim.fused does not apply" if fused else ""
         return [f"optimizer: DeepSpeedCPUAdam (DeepSpeed replaces torch's AdamW under strategy.offload_optimizer=cpu{dropped})"]
 
+    def precision_policy(self) -> str:
+        kind = self.precision.kind
+        if kind is PrecisionKind.fp32:
+            return super().precision_policy()
+        scaling = "; DeepSpeed's dynamic loss scaler" if kind is PrecisionKind.fp16 else ""
+        return (f"DeepSpeed {kind.value}: the whole module in {kind.value} (weights, activations, the backward); fp32 "
+                f"master weights and AdamW state in ZeRO's partitions{scaling}")
+
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
                             model_type: str) -> dict[str, Any]:

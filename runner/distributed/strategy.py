@@ -70,10 +70,22 @@ class Strategy:
         """What the strategy will do that the spec's keys do not say."""
         return []
 
+    def precision_policy(self) -> str:
+        """What `precision` means under this strategy: the dtype of the weights, the compute,
+        the gradients and the optimizer's copy. bf16 is three different numerics across
+        ddp, zero2/zero3 and fsdp, so a bf16 parity sweep across them allows for bf16
+        rounding (runner/report/parity.py)."""
+        kind = self.precision.kind
+        if kind is PrecisionKind.fp32:
+            return "fp32 throughout (TF32 off)"
+        scaling = "; dynamic loss scaling (GradScaler)" if kind is PrecisionKind.fp16 else ""
+        return f"{kind.value} autocast over fp32 weights: matmuls in {kind.value}; weights, gradients and AdamW in fp32{scaling}"
+
     def notes(self, fused: bool) -> list[str]:
         """What run_spec.yaml and the start banner say beside the spec: the strategy's own
-        notes, and each private patch of the libraries it uses left out on this machine."""
-        return self.spec_notes(fused) + fence_notes({"torch", "accelerate", self.library})
+        notes, the precision policy, and each private patch of the libraries it uses left
+        out on this machine."""
+        return [*self.spec_notes(fused), f"precision: {self.precision_policy()}", *fence_notes({"torch", "accelerate", self.library})]
 
     # ------------------------------------------------------------ the Accelerator
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
