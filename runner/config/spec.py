@@ -183,6 +183,13 @@ class TrainSpec:
     """How many of the newest checkpoints to keep."""
     dataloader_num_workers: int = 0
     """DataLoader worker processes (0: load in the training process)."""
+    deterministic: bool = False
+    """Deterministic GPU kernels: torch.use_deterministic_algorithms(True),
+    CUBLAS_WORKSPACE_CONFIG=:4096:8, cudnn.deterministic=True and cudnn.benchmark=False.
+    A GPU run then repeats bit for bit, and a resume in the same layout continues bit for
+    bit, as on a CPU (where nothing changes); slower on GPUs (attention and embedding
+    backward lose their atomics), and an op with no deterministic kernel stops the run
+    naming itself. A change on resume is accepted: it only picks other kernels."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 from accelerate.utils.operations import ConvertOutputsToFp32
 
+from runner.config.spec import PrecisionKind
 from runner.distributed.deepspeed import forget_world_group
 from runner.distributed.patches import SKIP_OUTPUT_UPCAST, engaged
 from runner.distributed.strategy import MIXED_PRECISION, Strategy
@@ -71,8 +72,20 @@ def build_accelerator(
         project_config=ProjectConfiguration(logging_dir=logging_dir) if logging_dir else None,
         **options,
     )
+    if strategy.precision.kind is PrecisionKind.fp32:
+        keep_tf32_off()
     strategy.after_accelerator(accelerator)
     return accelerator
+
+
+def keep_tf32_off() -> None:
+    """fp32 means fp32 matmuls and convolutions, as the README and the MFU peak (the fp32
+    one, not TF32's) assume. Accelerate turns TF32 matmuls on by itself whenever a dynamo
+    backend is set in fp32 on a GPU (AcceleratorState.__init__ in accelerate/state.py:
+    `torch.backends.cuda.matmul.allow_tf32 = True`), so model.compile=true would silently
+    trade 13 bits of mantissa for speed; cudnn's flag is torch's own default (True)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def describe(accelerator: Accelerator) -> dict[str, Any]:

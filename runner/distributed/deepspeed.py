@@ -389,6 +389,14 @@ class ZeroStrategy(Strategy):
         dropped = "; optim.fused does not apply" if fused else ""
         return [f"optimizer: DeepSpeedCPUAdam (DeepSpeed replaces torch's AdamW under strategy.offload_optimizer=cpu{dropped})"]
 
+    def precision_policy(self) -> str:
+        kind = self.precision.kind
+        if kind is PrecisionKind.fp32:
+            return super().precision_policy()
+        scaling = "; DeepSpeed's dynamic loss scaler" if kind is PrecisionKind.fp16 else ""
+        return (f"DeepSpeed {kind.value}: the whole module in {kind.value} (weights, activations, the backward); fp32 "
+                f"master weights and AdamW state in ZeRO's partitions{scaling}")
+
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
                             model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
@@ -451,7 +459,7 @@ class ZeroStrategy(Strategy):
         # Clipping is the engine's own (gradient_clipping), inside its step.
         return zero_grad_norm(accelerator.deepspeed_engine_wrapped.engine)
 
-    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    def found_inf_optimizer(self, optimizer: Any, device: torch.device) -> Optional[torch.optim.Optimizer]:
         return None  # the engine steps its own optimizer: checked on the host before the step
 
     def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:

@@ -119,6 +119,14 @@ class FSDPStrategy(Strategy):
     def needs_process_group(self) -> bool:
         return True  # fully_shard needs a device mesh over a process group, even of one rank
 
+    def precision_policy(self) -> str:
+        kind = self.precision.kind
+        if kind not in LOW_PRECISION:
+            return super().precision_policy()
+        scaling = "; dynamic loss scaling (GradScaler)" if kind is PrecisionKind.fp16 else ""
+        return (f"FSDP2 MixedPrecisionPolicy: parameters gathered and computed in {kind.value} (param_dtype), under "
+                f"autocast; gradients reduce-scattered in fp32 onto fp32 sharded weights and AdamW state{scaling}")
+
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
                             model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:

@@ -70,10 +70,22 @@ class Strategy:
         """What the strategy will do that the spec's keys do not say."""
         return []
 
+    def precision_policy(self) -> str:
+        """What `precision` means under this strategy: the dtype of the weights, the compute,
+        the gradients and the optimizer's copy. bf16 is three different numerics across
+        ddp, zero2/zero3 and fsdp, so a bf16 parity sweep across them allows for bf16
+        rounding (runner/report/parity.py)."""
+        kind = self.precision.kind
+        if kind is PrecisionKind.fp32:
+            return "fp32 throughout (TF32 off)"
+        scaling = "; dynamic loss scaling (GradScaler)" if kind is PrecisionKind.fp16 else ""
+        return f"{kind.value} autocast over fp32 weights: matmuls in {kind.value}; weights, gradients and AdamW in fp32{scaling}"
+
     def notes(self, fused: bool) -> list[str]:
         """What run_spec.yaml and the start banner say beside the spec: the strategy's own
-        notes, and each private patch of the libraries it uses left out on this machine."""
-        return self.spec_notes(fused) + fence_notes({"torch", "accelerate", self.library})
+        notes, the precision policy, and each private patch of the libraries it uses left
+        out on this machine."""
+        return [*self.spec_notes(fused), f"precision: {self.precision_policy()}", *fence_notes({"torch", "accelerate", self.library})]
 
     # ------------------------------------------------------------ the Accelerator
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
@@ -117,11 +129,19 @@ class Strategy:
         accelerator.unscale_gradients()  # a no-op unless fp16
         return clip_and_norm([p for p in model.parameters() if p.grad is not None], max_grad_norm)
 
-    def found_inf_optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
-        """The torch optimizer if it skips its own update on a device-side `found_inf` flag
-        (GradScaler's protocol, torch's fused AdamW); None otherwise."""
+    def found_inf_optimizer(self, optimizer: Any, device: torch.device) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer if it skips its own update on a `found_inf` flag that lives
+        on `device` (the loss's; GradScaler's protocol, torch's fused AdamW); None otherwise.
+
+        None too when any parameter is on another device (FSDP2 with offload_params=cpu:
+        the loss on the GPU, the fused step on the CPU). The kernel would copy the flag to
+        the CPU with non_blocking=True into pageable memory and could read it before the
+        copy lands, so the verdict is checked on the host before the step instead."""
         inner = innermost_optimizer(optimizer)
-        return inner if getattr(inner, "_step_supports_amp_scaling", False) else None
+        if not getattr(inner, "_step_supports_amp_scaling", False):
+            return None
+        params = (p for group in inner.param_groups for p in group["params"])
+        return inner if all(p.device == device for p in params) else None
 
     def optimizer_step(self, accelerator: "Accelerator", optimizer: Any) -> bool:
         """Step the optimizer of a closed accumulation window; False when the step was

@@ -18,7 +18,8 @@ from runner.components.model import build_config
 from runner.config.errors import UserError
 from runner.config.spec import load_spec
 from runner.config.validate import parity_baseline_problems
-from runner.report.parity import GRAD_NORM_RTOL, LOSS_ATOL, parity_problems, step_records
+from runner.distributed.strategies import build_strategy
+from runner.report.parity import EQUAL_MATH, Numerics, Tolerance, parity_problems, parity_tolerance, step_records
 
 PARITY_COLUMNS = ("max_abs_dloss", "max_grad_norm_rel_diff", "parity", "parity_detail")
 
@@ -109,6 +110,17 @@ def job_model_config(job_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def job_numerics(job_dir: Path) -> Numerics:
+    """The job's precision and what it means under its strategy, from its frozen
+    run_spec.yaml; blank when that cannot be read (the equal-math tolerance applies)."""
+    try:
+        spec = load_spec(job_dir / "run_spec.yaml")
+        strategy = build_strategy(spec.strategy, spec.precision)
+        return Numerics(spec.precision.kind.value, strategy.name, strategy.precision_policy())
+    except (UserError, OSError, ValueError):
+        return Numerics("", "", "")
+
+
 def baseline_setting(sweep_dir: Path, jobs: Sequence[Job]) -> Optional[str]:
     """`sweep.parity_baseline` as the jobs' frozen specs hold it (the same in every job)."""
     for job in jobs:
@@ -118,7 +130,8 @@ def baseline_setting(sweep_dir: Path, jobs: Sequence[Job]) -> Optional[str]:
     return None
 
 
-def _compare(sweep_dir: Path, job: Job, reference: dict, baseline_dropout: dict[str, float]) -> JobParity:
+def _compare(sweep_dir: Path, job: Job, reference: dict, baseline_dropout: dict[str, float],
+             tolerance: Tolerance) -> JobParity:
     metrics = sweep_dir / job.name / "metrics.jsonl"
     if not job.ok or not metrics.exists():
         return JobParity()
@@ -128,11 +141,13 @@ def _compare(sweep_dir: Path, job: Job, reference: dict, baseline_dropout: dict[
     if dropout:
         shown = ", ".join(f"{k}={v:g}" for k, v in sorted(dropout.items()))
         return JobParity(dloss, drel, "not expected", f"dropout on ({shown}): each layout draws its own masks")
-    problems = parity_problems(reference, other)
+    problems = parity_problems(reference, other, tolerance.loss_atol, tolerance.grad_norm_rtol)
+    # A looser tolerance is named in the verdict itself, pass or fail, with its reason.
+    looser = None if tolerance is EQUAL_MATH else f"bf16 tolerance ({tolerance.describe()}): {tolerance.why}"
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        return JobParity(dloss, drel, "FAILED", problems[0] + more)
-    return JobParity(dloss, drel, "ok")
+        return JobParity(dloss, drel, "FAILED", problems[0] + more + (f"; {looser}" if looser else ""))
+    return JobParity(dloss, drel, "ok", looser)
 
 
 def sweep_parity(sweep_dir: Path, jobs: Sequence[Job], setting: Optional[str]) -> tuple[dict[str, JobParity], list[str]]:
@@ -148,15 +163,29 @@ def sweep_parity(sweep_dir: Path, jobs: Sequence[Job], setting: Optional[str]) -
         return {}, [f"No parity columns: the baseline job {baseline.name} has no per-step metrics (status not ok)."]
     reference = step_records(baseline_metrics)
     baseline_dropout = dropout_settings(job_model_config(sweep_dir / baseline.name) or {})
+    baseline_numerics = job_numerics(sweep_dir / baseline.name)
     columns = {baseline.name: JobParity(0.0, 0.0, "baseline")}
+    looser: dict[str, Tolerance] = {}
     for job in jobs:
         if job.name != baseline.name:
-            columns[job.name] = _compare(sweep_dir, job, reference, baseline_dropout)
+            tolerance = parity_tolerance(job_numerics(sweep_dir / job.name), baseline_numerics)
+            if tolerance is not EQUAL_MATH:
+                looser[job.name] = tolerance
+            columns[job.name] = _compare(sweep_dir, job, reference, baseline_dropout, tolerance)
     notes = [
         f"Parity: each job's loss and gradient norm at every logged step against job {baseline.name}"
-        f" ({baseline.overrides or 'no overrides'}); ok = |Δloss| ≤ {LOSS_ATOL:g} and gradient norms within"
-        f" {GRAD_NORM_RTOL:.1%} at every step (set the baseline with sweep.parity_baseline)."
+        f" ({baseline.overrides or 'no overrides'}); ok = {EQUAL_MATH.describe()} at every step"
+        " (set the baseline with sweep.parity_baseline)."
     ]
+    if looser:
+        tolerance = next(iter(looser.values()))
+        notes.append(
+            f"Jobs {', '.join(looser)} ran bf16 under another strategy than the baseline, so they are held to "
+            f"{tolerance.describe()} instead: bf16 is different numerics per strategy (ddp autocasts over fp32 "
+            "weights, zero2/zero3 run the whole module in bf16, fsdp gathers bf16 parameters; each run_spec.yaml "
+            "says which), and those differ by bf16 rounding from the first step. For a strict comparison, sweep "
+            "strategies in fp32."
+        )
     unexpected = [name for name, p in columns.items() if p.parity == "not expected"]
     if unexpected:
         notes.append(

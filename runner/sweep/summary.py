@@ -100,7 +100,7 @@ def _cell(value: Any) -> str:
 
 
 def _parity_cells(p: JobParity) -> list[str]:
-    verdict = p.parity if p.parity_detail is None or p.parity in ("ok", "baseline") else f"{p.parity}: {p.parity_detail}"
+    verdict = p.parity if p.parity_detail is None or p.parity == "baseline" else f"{p.parity}: {p.parity_detail}"
     return [_cell(p.max_abs_dloss), "-" if p.max_grad_norm_rel_diff is None else f"{p.max_grad_norm_rel_diff:.3%}", verdict]
 
 

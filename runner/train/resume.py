@@ -40,6 +40,7 @@ HARMLESS = (
     "data.max_eval_samples", "data.cache_dir",
     "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank", "overwrite", "resume", "run_dir", "name",
     "sweep.parity_baseline", "sweep.retry_failed",
+    "train.deterministic",  # only which GPU kernels run: the same math, summed in a fixed order
 )
 
 

@@ -24,6 +24,7 @@ from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, pe
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
 from runner.train.plan import RunPlan
 from runner.train.signals import Stopped, StopRequest
+from runner.train.verdict import NonFiniteStep, Verdicts
 
 log = logging.getLogger("runner")
 
@@ -106,8 +107,8 @@ class Trainer:
             tracker_log=lambda values, step: accelerator.log(values, step=step),
         )
         self.grad_norm: Optional[torch.Tensor] = None
-        # The non-finite verdict of the last step, still on the device (see _check_finite).
-        self.unread_verdict: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+        # Non-finite verdicts handed to fused AdamW, not yet read on the host (runner/train/verdict.py).
+        self.verdicts = Verdicts(asynchronous=accelerator.device.type == "cuda")
         self.sampler = sampler
         self.spec_yaml = spec_yaml  # saved into each checkpoint, to check a resume against
         self.stop = StopRequest()
@@ -279,7 +280,10 @@ class Trainer:
 
     def _optimizer_step(self) -> bool:
         """Step the optimizer; False when the step was skipped (an fp16 overflow)."""
-        return self.strategy.optimizer_step(self.accelerator, self.optimizer)
+        try:
+            return self.strategy.optimizer_step(self.accelerator, self.optimizer)
+        finally:
+            self.verdicts.after_step()  # a found_inf flag belongs to this one step
 
     def _count_skip(self) -> None:
         s = self.state
@@ -305,48 +309,39 @@ class Trainer:
         gradient is an overflow: the loss scaler skips the step (counted in
         _optimizer_step), which is expected, not fatal.
 
-        Reading the verdict on the host would make it wait for the device every step. An
-        optimizer that honours `found_inf` (torch's fused AdamW: GradScaler's protocol)
-        is handed the verdict on the device instead and skips the whole update itself,
-        moments included; the host reads it one step later (or before anything is logged,
-        evaluated or saved), while the device is already busy with the next step, and
-        stops the run there. Other optimizers (foreach AdamW, DeepSpeed's) are checked on
-        the host before their step.
+        Reading the verdict on the host would make a GPU wait every step. An optimizer
+        that honours `found_inf` (torch's fused AdamW) is handed it on the device instead
+        and skips the update itself; the host reads it when the device is done with it
+        (runner/train/verdict.py). Other optimizers (foreach AdamW, DeepSpeed's), and
+        parameters on another device than the loss, are checked on the host before
+        their step.
         """
-        self._read_verdict()
+        self._raise_if_bad(self.verdicts.poll())  # earlier steps' verdicts, only those ready
         self.grad_norm = self.strategy.grad_norm(self.accelerator, self.model, self.max_grad_norm)
         if self.accelerator.mixed_precision == "fp16":
             return
         checks = torch.cat([loss.detach().float().reshape(1), torch.as_tensor(self.grad_norm).float().reshape(1).to(loss.device)])
-        verdict = (self.state.step + 1, checks, ~torch.isfinite(checks).all())
-        inner = self._found_inf_optimizer()
+        inner = self._found_inf_optimizer(loss.device)
         if inner is None:
-            self.unread_verdict = verdict
-            self._read_verdict()
-            return
-        inner.found_inf = verdict[2].float()
-        self.unread_verdict = verdict
+            self._raise_if_bad(self.verdicts.check_now(self.state.step + 1, checks))
+        else:
+            self.verdicts.hand_to(inner, self.state.step + 1, checks)
 
-    def _found_inf_optimizer(self) -> Optional[torch.optim.Optimizer]:
-        """The torch optimizer if it skips its own update on a device-side `found_inf` flag;
-        None under DeepSpeed (its engine steps its own)."""
-        return self.strategy.found_inf_optimizer(self.optimizer)
+    def _found_inf_optimizer(self, device: torch.device) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer if it skips its own update on a `found_inf` flag on `device`;
+        None under DeepSpeed (its engine steps its own) or with parameters elsewhere."""
+        return self.strategy.found_inf_optimizer(self.optimizer, device)
 
     def _read_verdict(self) -> None:
-        """Raise if the last step's loss or gradient norm was non-finite (a host sync)."""
-        if self.unread_verdict is None:
+        """Raise if any step so far had a non-finite loss or gradient norm (waits for the device)."""
+        self._raise_if_bad(self.verdicts.drain())
+
+    def _raise_if_bad(self, bad: Optional[NonFiniteStep]) -> None:
+        if bad is None:
             return
-        step, checks, bad = self.unread_verdict
-        self.unread_verdict = None
-        inner = self._found_inf_optimizer()
-        if inner is not None:
-            inner.found_inf = None  # the flag belongs to that one step
-        if not bool(bad):
-            return
-        loss, norm = (float(v) for v in checks.cpu())
-        skipped = "its update was skipped and the run stopped" if inner is not None else "stopped before the optimizer step"
+        skipped = "its update was skipped and the run stopped" if bad.skipped_on_device else "stopped before the optimizer step"
         raise NonFiniteLoss(
-            f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {norm}); "
+            f"non-finite loss or gradient norm at step {bad.step} (loss {bad.loss}, grad norm {bad.grad_norm}); "
             f"{skipped}; {self._last_good()}. Lower optim.lr, raise schedule.warmup_steps, or use precision=fp32."
         )
 

@@ -58,6 +58,7 @@ from runner.report.log import setup_logging
 from runner.report.metrics import current_memory_mb, peak_memory_mb, reset_peak_memory, summary_table, write_results
 from runner.report.plots import PLOT_FILENAME, plot_loss_curves
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.resume import resolve
@@ -107,6 +108,7 @@ def main(spec_path: str) -> None:
 
 def train(spec: RunSpec) -> dict[str, Any]:
     run_dir = Path(spec.run_dir)
+    use_deterministic_kernels(spec.train.deterministic)  # 1, before anything touches CUDA
     set_host_memory_policy(spec)  # 1
     # This run's own peak, also as the next job of an in-process sweep: what an earlier
     # job freed goes back to the OS first, so it is not counted again.

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.state import PartialState
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from runner.distributed.accelerator import build_accelerator, reset_accelerate_state, skip_output_upcast
@@ -17,6 +19,38 @@ def _fresh_state():
     reset_accelerate_state()
     yield
     reset_accelerate_state()
+
+
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 switches are process-wide: put them back after the test."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_a_fake_gpu() -> None:
+    """Make Accelerate's state see a CUDA device: AcceleratorState copies PartialState's
+    `device`, and its TF32 branch asks only that device's type."""
+    PartialState(cpu=True)
+    PartialState._shared_state["device"] = torch.device("cuda")
+
+
+def test_compile_in_fp32_keeps_tf32_off(tf32_flags):
+    """model.compile=true in fp32: Accelerate turns TF32 matmuls on when a dynamo backend is
+    set on a GPU (reproduced first with a bare Accelerator); runner's own build keeps both
+    TF32 switches off, so fp32 stays fp32."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
+    on_a_fake_gpu()
+    Accelerator(cpu=True, dynamo_backend="inductor")
+    assert torch.backends.cuda.matmul.allow_tf32 is True  # what Accelerate does by itself
+    reset_accelerate_state()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    on_a_fake_gpu()
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0,
+                                    compile_model=True)
+    assert accelerator.device.type == "cuda" and accelerator.state.dynamo_plugin.backend.value == "INDUCTOR"
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
 
 
 @pytest.mark.parametrize("precision", SUPPORTED_HERE, ids=lambda p: p.value)

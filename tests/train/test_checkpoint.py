@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from runs import cmd, logged_steps, losses, resume_cmd
 from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
@@ -309,16 +311,54 @@ def test_resume_path_that_is_not_a_checkpoint(tmp_path):
     assert done.returncode == 2 and "not a complete checkpoint" in done.stderr
 
 
+def model_and_adam_state(trainer) -> dict[str, torch.Tensor]:
+    """A copy of every weight and every AdamW state tensor (exp_avg, exp_avg_sq, step)."""
+    inner = trainer.optimizer.optimizer  # under Accelerate's wrapper
+    params = [p for group in inner.param_groups for p in group["params"]]
+    out = {f"weight {name}": p.detach().clone() for name, p in trainer.model.named_parameters()}
+    out.update({f"param {i} {key}": value.detach().clone() for i, p in enumerate(params)
+                for key, value in inner.state[p].items()})
+    return out
+
+
 @pytest.mark.e2e
-def test_nan_loss_stops_before_the_step_and_names_it(tmp_path):
+def test_nan_loss_stops_before_the_step_and_names_it(tmp_path, monkeypatch, capfd):
+    """In this process, so the trainer's state can be seen: the weights and AdamW state the
+    run stops with are exactly those from before the step it names."""
+    from runner.cli import main
+    from runner.train.trainer import NonFiniteLoss, Trainer
+
+    before_step: dict[int, dict[str, torch.Tensor]] = {}  # the last few steps only
+    at_stop: dict[str, dict[str, torch.Tensor]] = {}
+    train_step, fit = Trainer.train_step, Trainer.fit
+
+    def snapshotting_step(self, batch):
+        before_step.setdefault(self.state.step + 1, model_and_adam_state(self))
+        before_step.pop(self.state.step - 2, None)
+        return train_step(self, batch)
+
+    def fit_until_stopped(self):
+        try:
+            return fit(self)
+        except NonFiniteLoss:
+            at_stop["state"] = model_and_adam_state(self)
+            raise
+
+    monkeypatch.setattr(Trainer, "train_step", snapshotting_step)
+    monkeypatch.setattr(Trainer, "fit", fit_until_stopped)
     run_dir = tmp_path / "run"
     # An absurd learning rate blows the weights up within a couple of steps.
-    done = subprocess.run(cmd(run_dir, "optim.lr=1e30", "schedule.warmup_steps=0", "optim.max_grad_norm=0"),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 3, done.stderr[-3000:]
-    assert "non-finite loss or gradient norm at step" in done.stderr
-    assert "last good checkpoint" in done.stderr or "no checkpoint yet" in done.stderr
+    with pytest.raises(SystemExit) as stopped:
+        main([*cmd(run_dir, "optim.lr=1e30", "schedule.warmup_steps=0", "optim.max_grad_norm=0")[3:]])
+    err = capfd.readouterr().err
+    assert stopped.value.code == 3, err[-3000:]
+    named = re.search(r"non-finite loss or gradient norm at step (\d+)", err)
+    assert named, err[-3000:]
+    assert "last good checkpoint" in err or "no checkpoint yet" in err
     assert not (run_dir / "all_results.json").exists()
+    before, after = before_step[int(named.group(1))], at_stop["state"]
+    assert sorted(after) == sorted(before) and any(k.endswith("exp_avg_sq") for k in after)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
 
 
 @pytest.mark.e2e

@@ -8,10 +8,13 @@ bad), so each test shows the check, not a blown-up model.
 from __future__ import annotations
 
 import os
+from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
@@ -19,6 +22,7 @@ from runner.distributed.engagement import EngagementError, check_engaged
 from runner.distributed.strategies import build_strategy
 from runner.config.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 from runner.train.trainer import NonFiniteLoss, Trainer
+from runner.train.verdict import Verdicts
 
 VOCAB = 64
 
@@ -74,6 +78,18 @@ def adam_steps(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(inner.state[p]["step"]) for group in inner.param_groups for p in group["params"] if p in inner.state]
 
 
+def adam_state(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """A copy of every parameter's AdamW state (exp_avg, exp_avg_sq, step), in order."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # under Accelerate's wrapper
+    return [{k: v.detach().clone() for k, v in inner.state[p].items()} for group in inner.param_groups for p in group["params"]]
+
+
+def assert_adam_unchanged(optimizer: torch.optim.Optimizer, before: list[dict[str, torch.Tensor]]) -> None:
+    now = adam_state(optimizer)
+    assert [sorted(s) for s in now] == [sorted(s) for s in before] and all(sorted(s) == ["exp_avg", "exp_avg_sq", "step"] for s in now)
+    assert all(torch.equal(s[k], b[k]) for s, b in zip(now, before) for k in s)
+
+
 def ddp_path_with_inf_hook(tmp_path: Path, max_grad_norm: float, fused: bool):
     """A one-process (ddp-path) trainer whose model can be given an inf gradient."""
     accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=max_grad_norm)
@@ -91,11 +107,12 @@ def test_inf_gradient_with_finite_loss_stops_before_the_update_host_checked(tmp_
     first, second = batches(2)
     assert trainer.train_step(first)
     assert trainer.grad_norm is not None and 0 < float(trainer.grad_norm) < float("inf")  # computed even unclipped
-    lr, before = trainer.scheduler.get_last_lr(), snapshot(model)
+    lr, before, state = trainer.scheduler.get_last_lr(), snapshot(model), adam_state(optimizer)
     inject.on = True
     with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf.*stopped before the optimizer step"):
         trainer.train_step(second)
     assert_unchanged(model, before)
+    assert_adam_unchanged(optimizer, state)
     assert trainer.scheduler.get_last_lr() == lr and trainer.state.step == 1
 
 
@@ -107,17 +124,20 @@ def test_inf_gradient_with_fused_adamw_is_skipped_on_the_device_and_stops_the_ru
     model, optimizer, inject, trainer = ddp_path_with_inf_hook(tmp_path, max_grad_norm, fused=True)
     first, second, third = batches(3)
     assert trainer.train_step(first)
-    assert trainer.unread_verdict is not None  # left on the device, not read by the step
+    assert len(trainer.verdicts.pending) == 1  # left on the device, not read by the step
+    assert optimizer.optimizer.found_inf is None  # handed to step 1 only
     assert 0 < float(trainer.grad_norm) < float("inf")
-    before, moments = snapshot(model), adam_steps(optimizer)
+    before, state = snapshot(model), adam_state(optimizer)
+    assert adam_steps(optimizer) == [1.0] * len(state)
     inject.on = True
     assert trainer.train_step(second)  # nothing read on the host yet...
-    assert_unchanged(model, before)  # ...but the kernel skipped the update
-    assert adam_steps(optimizer) == moments == [1.0] * len(moments)
+    assert_unchanged(model, before)  # ...but the kernel skipped the update: weights and Adam state
+    assert_adam_unchanged(optimizer, state)
     inject.on = False
     with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient norm at step 2.*grad norm inf.*its update was skipped"):
         trainer.train_step(third)
     assert_unchanged(model, before)
+    assert_adam_unchanged(optimizer, state)
 
 
 def test_a_clean_verdict_left_on_the_device_changes_no_number(tmp_path):
@@ -131,11 +151,168 @@ def test_a_clean_verdict_left_on_the_device_changes_no_number(tmp_path):
         model, optimizer = accelerator.prepare(model, optimizer)
         trainer = make_trainer(accelerator, model, optimizer, tmp_path, max_grad_norm=1.0)
         if not flag:
-            trainer._found_inf_optimizer = lambda: None  # the host-checked path
+            trainer._found_inf_optimizer = lambda device: None  # the host-checked path
         for batch in batches(3):
             assert trainer.train_step(batch)
         runs.append(snapshot(model))
     assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+class FakeCuda:
+    """torch.cuda.Event and pinned host memory, faked on a CPU: events complete when the
+    test says so (`ready`), and every wait on one is logged."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ready = False
+        self.events: list[Any] = []
+        self.synchronized: list[int] = []  # indices into events, in the order waited on
+        self.queries = 0
+        self.host_buffers: list[torch.Tensor] = []  # what torch.empty(..., pin_memory=True) returned
+        cuda = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.recorded = False
+                cuda.events.append(self)
+
+            def record(self) -> None:
+                self.recorded = True
+
+            def query(self) -> bool:
+                cuda.queries += 1
+                return cuda.ready
+
+            def synchronize(self) -> None:
+                cuda.synchronized.append(cuda.events.index(self))
+
+        real_empty = torch.empty
+
+        def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            out = real_empty(*args, **kwargs)
+            if pin_memory:  # a CPU-only torch has no pinned allocator
+                self.host_buffers.append(out)
+            return out
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch, "empty", empty)
+
+
+class HostReads(TorchFunctionMode):
+    """Every call that reads a device tensor on the host (a stream synchronize on a GPU);
+    the pinned host copies are exempt. Also logs each copy into a pinned buffer."""
+
+    READS = frozenset({"__bool__", "item", "cpu", "tolist", "__float__", "__int__", "__index__", "numpy"})
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__()
+        self.cuda, self.reads, self.copies_non_blocking = cuda, [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        on_host = bool(args) and any(args[0] is b for b in self.cuda.host_buffers)
+        if name in self.READS and not on_host:
+            self.reads.append(name)
+        if name == "copy_" and on_host:
+            self.copies_non_blocking.append(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+        return func(*args, **kwargs)
+
+
+def flags_seen_by_each_step(optimizer) -> list[torch.Tensor | None]:
+    """Wrap the fused AdamW's step to copy the found_inf it is called with."""
+    inner, seen = optimizer.optimizer, []
+    step = inner.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        flag = getattr(inner, "found_inf", None)
+        seen.append(None if flag is None else flag.detach().clone())
+        return step(*args, **kwargs)
+
+    inner.step = recording_step
+    return seen
+
+
+def test_on_a_gpu_each_step_reads_only_verdicts_whose_event_completed(tmp_path, monkeypatch):
+    """The GPU path, by contract: each verdict is copied non_blocking into pinned memory
+    behind an event; a step reads nothing on the host (no bool/item/cpu, no event wait)
+    until query() says the copy landed. Meanwhile the device-side flag, sticky once a step
+    is bad, skips every later update, and each flag is cleared after its step. When the
+    events complete, the FIRST bad step is reported."""
+    model, optimizer, inject, trainer = ddp_path_with_inf_hook(tmp_path, 1.0, fused=True)
+    cuda = FakeCuda(monkeypatch)
+    trainer.verdicts = Verdicts(asynchronous=True)
+    seen = flags_seen_by_each_step(optimizer)
+    data = batches(5)
+    with HostReads(cuda) as host:
+        assert trainer.train_step(data[0])  # step 1: clean, updated
+        before, state = snapshot(model), adam_state(optimizer)
+        inject.on = True
+        assert trainer.train_step(data[1])  # step 2: bad
+        inject.on = False
+        assert trainer.train_step(data[2])  # step 3: clean, but after a bad one
+        inject.on = True
+        assert trainer.train_step(data[3])  # step 4: bad
+        assert host.reads == [] and cuda.synchronized == [] and cuda.queries == 3  # polled at steps 2, 3, 4
+        assert [p.step for p in trainer.verdicts.pending] == [1, 2, 3, 4]
+        assert len(cuda.host_buffers) == 4 and host.copies_non_blocking == [True] * 4
+        assert all(event.recorded for event in cuda.events) and len(cuda.events) == 4
+        assert optimizer.optimizer.found_inf is None  # each flag cleared after its step
+        assert_unchanged(model, before)
+        assert_adam_unchanged(optimizer, state)
+        inject.on = False
+        cuda.ready = True
+        with pytest.raises(NonFiniteLoss, match="at step 2 .*grad norm inf.*its update was skipped"):
+            trainer.train_step(data[4])  # reads step 1 (clean), then step 2: stops before step 5 runs
+    assert host.reads == [] and cuda.synchronized == []  # only the pinned copies were read
+    assert trainer.verdicts.pending == deque()
+    assert [float(f) for f in seen] == [0.0, 1.0, 1.0, 1.0]  # step 3 skipped too: the flag stays set
+    assert_unchanged(model, before)
+    assert_adam_unchanged(optimizer, state)
+
+
+def test_on_a_gpu_a_forced_read_waits_on_each_event_in_order(tmp_path, monkeypatch):
+    """Before a log, an evaluation, a checkpoint or the end, the verdicts are awaited
+    (event.synchronize), oldest first: clean ones pass, and the first bad one stops the
+    run before anything is saved."""
+    _, _, inject, trainer = ddp_path_with_inf_hook(tmp_path, 1.0, fused=True)
+    cuda = FakeCuda(monkeypatch)
+    trainer.verdicts = Verdicts(asynchronous=True)
+    data = batches(5)
+    assert trainer.train_step(data[0]) and trainer.train_step(data[1])
+    trainer._read_verdict()  # as fit does before a log or an evaluation
+    assert cuda.synchronized == [0, 1] and trainer.verdicts.pending == deque()
+    assert trainer.train_step(data[2])  # step 3: clean
+    inject.on = True
+    assert trainer.train_step(data[3]) and trainer.train_step(data[4])  # steps 4 and 5: bad
+    with pytest.raises(NonFiniteLoss, match="at step 4 "):
+        trainer.save_checkpoint()
+    assert cuda.synchronized == [0, 1, 2, 3]  # up to the first bad one
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_parameters_on_another_device_than_the_loss_are_checked_on_the_host(tmp_path, monkeypatch):
+    """FSDP2 with offload_params=cpu: the loss on the GPU, fused AdamW on CPU parameters.
+    The flag would cross devices inside the kernel (a non_blocking copy into pageable
+    memory), so the verdict is read before the step instead."""
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for kind in (StrategyKind.ddp, StrategyKind.fsdp):
+        strategy = build_strategy(StrategySpec(kind=kind), PrecisionSpec())
+        fused = torch.optim.AdamW(params, fused=True)
+        assert strategy.found_inf_optimizer(fused, torch.device("cpu")) is fused
+        assert strategy.found_inf_optimizer(fused, torch.device("cuda")) is None
+        assert strategy.found_inf_optimizer(torch.optim.AdamW(params, fused=False), torch.device("cpu")) is None
+    model, optimizer, inject, trainer = ddp_path_with_inf_hook(tmp_path, 1.0, fused=True)
+    real = trainer.strategy.found_inf_optimizer
+    monkeypatch.setattr(trainer.strategy, "found_inf_optimizer", lambda opt, device: real(opt, torch.device("cuda")))
+    first, second = batches(2)
+    assert trainer.train_step(first) and trainer.verdicts.pending == deque()  # read at once, not deferred
+    before, state = snapshot(model), adam_state(optimizer)
+    inject.on = True
+    with pytest.raises(NonFiniteLoss, match="at step 2 .*stopped before the optimizer step"):
+        trainer.train_step(second)
+    assert getattr(optimizer.optimizer, "found_inf", None) is None  # never handed a flag
+    assert_unchanged(model, before)
+    assert_adam_unchanged(optimizer, state)
 
 
 def fp16_on_cpu(tmp_path: Path, **kwargs):
