@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlparse
 
 from runner.config.errors import UserError
@@ -75,24 +75,136 @@ def check_sources(spec: ModelSpec) -> list[str]:
     return problems
 
 
+def _override_value(key: str, text: str, default: Any) -> Any:
+    """One config_overrides value, typed as the config's default for the key (as
+    transformers' update_from_string types it); a key whose default is None (derived
+    later, e.g. Llama's num_key_value_heads) takes an int, a float, a bool or the text."""
+    words = {"true": True, "yes": True, "y": True, "1": True, "false": False, "no": False, "n": False, "0": False}
+    if isinstance(default, bool):
+        if text.lower() not in words:
+            raise ValueError(f"can't derive true or false from {text} (key {key})")
+        return words[text.lower()]
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if isinstance(default, str):
+        return text
+    if default is None:
+        for cast in (int, float):
+            try:
+                return cast(text)
+            except ValueError:
+                pass
+        return words.get(text.lower(), text) if text.lower() in ("true", "false") else text
+    raise ValueError(f"{key} is a {type(default).__name__} in the config; only int, float, bool and text values can be set")
+
+
+def parse_config_overrides(overrides: str, defaults: "PretrainedConfig") -> dict[str, Any]:
+    """run_clm's `key=value,key=value` string, typed by the config's defaults."""
+    parsed = {}
+    for item in overrides.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"'{item}' is not key=value")
+        if not hasattr(defaults, key):
+            raise ValueError(f"key {key} isn't in the original config dict")
+        parsed[key] = _override_value(key, value.strip(), getattr(defaults, key))
+    return parsed
+
+
+def _last_line(err: BaseException) -> str:
+    """The line of an error that says what is wrong (a config validator wraps its reason
+    in a header line: 'Class validation error ...:' then 'ValueError: The hidden size ...')."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1].rstrip(".") if lines else type(err).__name__
+
+
 def build_config(spec: ModelSpec) -> "PretrainedConfig":
+    """The model's config. From scratch (model.model_type), config_overrides are the
+    config class's constructor arguments, so what the constructor derives from them
+    follows (Qwen's layer_types from num_hidden_layers, Llama's num_key_value_heads from
+    num_attention_heads); run_clm's update_from_string after construction left those at
+    the defaults' values. A pretrained config (model.name_or_path) is only updated: its
+    architecture is its weights'."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if spec.name_or_path:
         config = AutoConfig.from_pretrained(os.path.expanduser(spec.name_or_path))
+    elif spec.model_type not in CONFIG_MAPPING:
+        raise UserError(f"model.model_type='{spec.model_type}' is not a transformers model type (e.g. gpt2).")
     else:
-        if spec.model_type not in CONFIG_MAPPING:
-            raise UserError(f"model.model_type='{spec.model_type}' is not a transformers model type (e.g. gpt2).")
         config = CONFIG_MAPPING[spec.model_type]()
-    if spec.config_overrides:
-        try:
-            config.update_from_string(spec.config_overrides)
-        except ValueError as err:
-            raise UserError(
-                f"model.config_overrides='{spec.config_overrides}': {err}. "
-                "Use run_clm's form, e.g. model.config_overrides='n_embd=128,n_layer=2'."
-            ) from None
+    if not spec.config_overrides:
+        return config
+    try:
+        overrides = parse_config_overrides(spec.config_overrides, config)
+    except (ValueError, TypeError) as err:
+        raise UserError(
+            f"model.config_overrides='{spec.config_overrides}': {err}. "
+            "Use run_clm's form, e.g. model.config_overrides='n_embd=128,n_layer=2'."
+        ) from None
+    try:
+        if spec.name_or_path:
+            for key, value in overrides.items():
+                setattr(config, key, value)
+        else:
+            config = CONFIG_MAPPING[spec.model_type](**overrides)
+    except Exception as err:  # the config class's own validation (huggingface_hub's strict dataclasses, ValueError)
+        raise UserError(f"model.config_overrides='{spec.config_overrides}' describes no valid "
+                        f"{config.model_type} model: {_last_line(err)}. Change those settings.") from None
     return config
+
+
+# The config fields that decide attention's and the MLP's shapes, named when a model
+# cannot run a micro-batch (with transformers' defaults for those not overridden).
+SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "num_hidden_layers", "vocab_size")
+
+
+def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: int = 8) -> list[str]:
+    """Build the model on the meta device (no memory, no weights) and run one micro-batch's
+    shapes through it: an inconsistent config (heads that do not divide the width,
+    grouped-query heads left at a default that does not divide the heads) becomes one
+    line naming its shape settings, not a traceback from inside attention; an encoder
+    built as a causal LM without is_decoder (whose attention would see the token it
+    predicts; transformers only warns) is refused. Seconds even for a 7B config."""
+    import logging as std_logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    warnings_seen: list[str] = []
+
+    class Catch(std_logging.Handler):
+        def emit(self, record: std_logging.LogRecord) -> None:
+            warnings_seen.append(record.getMessage())
+
+    handler, logger = Catch(level=std_logging.WARNING), std_logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        if any("is_decoder=True" in w for w in warnings_seen):
+            return [f"model.model_type={config.model_type} builds {type(model).__name__}, an encoder: without "
+                    "is_decoder=true its attention sees the token it is asked to predict, so every loss it prints "
+                    "is meaningless. Add is_decoder=true to model.config_overrides, or choose a decoder model."]
+        ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
+        model(input_ids=ids)
+    except Exception as err:  # any shape error from inside the model
+        given = {item.partition("=")[0].strip() for item in (spec.config_overrides or "").split(",")}
+        shown = ", ".join(
+            f"{k}={getattr(config, k)}" + ("" if k in given or spec.name_or_path else " (default)")
+            for k in SHAPE_FIELDS if isinstance(getattr(config, k, None), int)
+        )
+        return [f"the model these settings describe cannot run a micro-batch ({_last_line(err)}): {shown}. "
+                "Make the head counts divide the width and each other (num_key_value_heads divides "
+                "num_attention_heads; hidden_size = num_attention_heads x head_dim where the model has head_dim) "
+                "in model.config_overrides."]
+    finally:
+        logger.removeHandler(handler)
+    return []
 
 
 def active_dropout(config: "PretrainedConfig") -> dict[str, float]:

@@ -23,6 +23,7 @@ from runner.components.model import (
     check_sources,
     hub_reachable,
     max_positions,
+    probe_model,
     tokenizer_source,
 )
 from runner.config.errors import UserError
@@ -82,6 +83,7 @@ def check_model(spec: RunSpec) -> list[str]:
         return err.problems
     except OSError as err:
         return [f"model.name_or_path='{spec.model.name_or_path}': cannot read its config ({str(err).splitlines()[0]})."]
+    problems += probe_model(spec.model, config)
     positions = max_positions(config)
     block = spec.data.block_size
     if block is not None and positions is not None and block > positions:

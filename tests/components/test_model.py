@@ -1,5 +1,6 @@
 """Model builders: counting parameters whatever the strategy did to them."""
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -28,3 +29,61 @@ def test_zero3_partitioned_parameters_count_at_full_size():
         p.data = torch.empty(0, dtype=p.dtype)
     assert sum(p.numel() for p in model.parameters()) == 0  # what the banner summed before
     assert count_parameters(model) == full
+
+
+# Tiny from-scratch configs of the architectures people train besides GPT-2.
+TINY = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings=128"
+
+
+def _spec(model_type: str, overrides: str):
+    from runner.config.spec import ModelSpec
+
+    return ModelSpec(model_type=model_type, config_overrides=overrides)
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen2", ""), ("qwen3", ",head_dim=16")])
+def test_overrides_are_constructor_arguments_so_derived_fields_follow(model_type, extra):
+    """run_clm's update_from_string left layer_types at the default 32 entries for 2 layers."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.components.model import build_config
+
+    config = build_config(_spec(model_type, f"{TINY},num_key_value_heads=2{extra}"))
+    assert config.num_hidden_layers == 2 and len(config.layer_types) == 2
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 100, (2, 16))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_an_unparsable_override_and_an_invalid_architecture_are_one_line_each():
+    from runner.components.model import build_config
+    from runner.config.errors import UserError
+
+    with pytest.raises(UserError, match="key nope isn't in the original config dict.*run_clm's form"):
+        build_config(_spec("gpt2", "n_embd=32,nope=3"))
+    with pytest.raises(UserError, match=r"no valid llama model: .*hidden size \(64\) is not a multiple.*\(3\)"):
+        build_config(_spec("llama", "hidden_size=64,num_attention_heads=3"))
+
+
+def test_a_config_whose_shapes_do_not_fit_is_named_before_any_worker_starts():
+    """Qwen2 keeps num_key_value_heads at its default 32 when only the heads are overridden."""
+    from runner.components.model import build_config, probe_model
+
+    spec = _spec("qwen2", TINY)
+    [problem] = probe_model(spec, build_config(spec))
+    assert "cannot run a micro-batch" in problem and "num_key_value_heads=32 (default)" in problem
+    assert "num_attention_heads=4," in problem  # given, so not marked as a default
+    fixed = _spec("qwen2", f"{TINY},num_key_value_heads=2")
+    assert probe_model(fixed, build_config(fixed)) == []
+
+
+def test_an_encoder_without_is_decoder_is_refused_as_a_causal_lm():
+    from runner.components.model import build_config, probe_model
+
+    spec = _spec("bert", "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4")
+    [problem] = probe_model(spec, build_config(spec))
+    assert "BertLMHeadModel, an encoder" in problem and "is_decoder=true" in problem
+    decoder = _spec("bert", "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,is_decoder=true")
+    assert probe_model(decoder, build_config(decoder)) == []
+    for model_type in ("gpt2", "llama", "gpt_neox"):  # decoders, gpt_neox with an is_decoder=False field of its own
+        assert probe_model(_spec(model_type, ""), build_config(_spec(model_type, ""))) == [], model_type
