@@ -64,14 +64,57 @@ def tf32_enabled() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
-def flops_per_token(n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+def flops_per_token(n_params: float, n_layer: int, n_embd: int, block_size: int) -> float:
     return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
 
 
-def model_flops_per_token(config: Any, n_params: int, block_size: int) -> float:
+def attention_width(config: Any) -> int:
+    """The width attention's scores and values are computed at: heads x head_dim where
+    the model sets head_dim (Qwen3, Gemma: not the hidden size), else the hidden size."""
+    heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
+    if isinstance(heads, int) and isinstance(head_dim, int) and head_dim > 0:
+        return heads * head_dim
+    return int(getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0))
+
+
+def experts_per_token(config: Any) -> Optional[tuple[int, int]]:
+    """(experts a token is routed to, experts per layer) of a mixture-of-experts config, else None."""
+    used = getattr(config, "num_experts_per_tok", None)
+    total = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if isinstance(used, int) and isinstance(total, int) and 0 < used < total:
+        return used, total
+    return None
+
+
+def expert_parameters(model: torch.nn.Module) -> int:
+    """Parameters inside the model's expert modules (`...experts...` in their names), at
+    full size also when ZeRO-3 has partitioned them (ds_numel)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in f".{name}." and id(p) not in seen:
+            seen.add(id(p))
+            total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
+def active_parameters(config: Any, n_params: int, n_expert_params: int) -> float:
+    """Parameters a token's forward uses: under a mixture of experts only top-k of the E
+    experts' weights, so k/E of the expert parameters; every parameter of a dense model."""
+    routing = experts_per_token(config)
+    if routing is None or not n_expert_params:
+        return float(n_params)
+    used, total = routing
+    return n_params - n_expert_params * (1 - used / total)
+
+
+def model_flops_per_token(config: Any, n_params: int, block_size: int, n_expert_params: int = 0) -> float:
+    """Training FLOPs per token (PaLM's 6N + 12·L·d·s): N the parameters a token uses
+    (grouped-query attention and gated MLPs are in N as they are; a mixture of experts
+    counts its top-k experts), d attention's width (heads x head_dim)."""
     layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
-    width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
-    return flops_per_token(n_params, int(layers), int(width), block_size)
+    return flops_per_token(active_parameters(config, n_params, n_expert_params), int(layers), attention_width(config),
+                           block_size)
 
 
 def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:

@@ -53,7 +53,7 @@ from runner.distributed.process_group import agree_on_spec, init_process_group
 from runner.distributed.strategies import build_strategy
 from runner.distributed.strategy import Strategy
 from runner.distributed.world import planned_world_size
-from runner.report.flops import model_flops_per_token, peak_flops
+from runner.report.flops import expert_parameters, model_flops_per_token, peak_flops
 from runner.report.log import setup_logging
 from runner.report.metrics import current_memory_mb, peak_memory_mb, reset_peak_memory, summary_table, write_results
 from runner.report.plots import PLOT_FILENAME, plot_loss_curves
@@ -232,7 +232,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         log_every=t.log_every, eval_every=t.eval_every, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
         sampler=sampler,
         spec_yaml=spec_to_yaml(spec),
-        flops_per_token=model_flops_per_token(config, plan.parameters, block_size),
+        flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model))),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
     )
 

@@ -82,3 +82,30 @@ def test_the_cpu_probe_leaves_the_global_random_streams_alone():
     torch.manual_seed(0)
     assert flops._probe("fp32", seconds=0.01) > 0
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
+    """Mixtral-style, 4 experts, top 2: a token's FLOPs use half the expert weights."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from runner.report.flops import expert_parameters, model_flops_per_token
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=1000)
+    model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = expert_parameters(model)
+    assert 0 < experts < total
+    dense_part = total - experts
+    expected = 6 * (dense_part + experts / 2) + 12 * 2 * 64 * 32
+    assert model_flops_per_token(config, total, 32, experts) == pytest.approx(expected)
+
+
+def test_attention_flops_use_heads_times_head_dim_not_the_hidden_size():
+    from transformers import Qwen3Config
+
+    from runner.report.flops import model_flops_per_token
+
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, num_hidden_layers=2)
+    assert model_flops_per_token(config, 1000, 16) == 6 * 1000 + 12 * 2 * (4 * 32) * 16
+    assert model_flops_per_token(type("GPT2Like", (), {"n_layer": 2, "n_embd": 64})(), 1000, 16) == 6 * 1000 + 12 * 2 * 64 * 16
