@@ -157,6 +157,14 @@ def build_config(spec: ModelSpec) -> "PretrainedConfig":
     return config
 
 
+def build_meta_model(config: "PretrainedConfig") -> "PreTrainedModel":
+    """The causal LM `config` describes, without memory or weights: call under
+    `torch.device("meta")` (shapes, module tree and layer classes only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
 # The config fields that decide attention's and the MLP's shapes, named when a model
 # cannot run a micro-batch (with transformers' defaults for those not overridden).
 SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
@@ -173,7 +181,6 @@ def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: in
     import logging as std_logging
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     warnings_seen: list[str] = []
 
@@ -185,7 +192,7 @@ def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: in
     logger.addHandler(handler)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = build_meta_model(config)
         if any("is_decoder=True" in w for w in warnings_seen):
             return [f"model.model_type={config.model_type} builds {type(model).__name__}, an encoder: without "
                     "is_decoder=true its attention sees the token it is asked to predict, so every loss it prints "
@@ -256,6 +263,14 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
         enable()
         model.config.use_cache = False
     return model
+
+
+def layer_class_names(model: "PreTrainedModel") -> list[str]:
+    """The model's transformer-layer classes: those it names in `_no_split_modules`
+    (transformers' own list, what Accelerate's FSDP auto-wrap reads) that its module tree
+    holds. What strategy=fsdp wraps, one FSDP unit each, for any architecture."""
+    present = {type(m).__name__ for m in model.modules()}
+    return [name for name in (getattr(model, "_no_split_modules", None) or []) if name in present]
 
 
 def layer_parameters(model: PreTrainedModel) -> int | None:

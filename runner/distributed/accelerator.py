@@ -9,6 +9,7 @@ runner/distributed/engagement.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from types import MethodType
 from typing import Any, Optional
@@ -44,17 +45,18 @@ def build_accelerator(
     model_type: str = "gpt2",
     hidden_size: Optional[int] = None,
     layer_parameters: int | None = None,
+    layer_classes: Sequence[str] = (),
 ) -> Accelerator:
     """per_device_batch_size is DeepSpeed's micro batch (used under ZeRO only);
     hidden_size (the model's width) sizes ZeRO's buckets, and on a GPU
-    layer_parameters (one transformer layer's) its prefetch; model_type picks the
-    transformer layer FSDP2 wraps (used under fsdp only)."""
+    layer_parameters (one transformer layer's) its prefetch; layer_classes (the model's
+    transformer-layer classes) are what FSDP2 wraps (used under fsdp only)."""
     cuda = torch.cuda.is_available()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     options = strategy.accelerator_options(
         cuda=cuda, grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
         per_device_batch_size=per_device_batch_size, world_size=world_size, hidden_size=hidden_size,
-        model_type=model_type, layer_parameters=layer_parameters,
+        model_type=model_type, layer_parameters=layer_parameters, layer_classes=layer_classes,
     )
     handlers: list[Any] = []
     if strategy.needs_process_group() or world_size > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -399,7 +399,8 @@ class ZeroStrategy(Strategy):
 
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None,
+                            layer_classes: Sequence[str] = ()) -> dict[str, Any]:
         # DeepSpeed on CPU needs cpu=False with a gloo process group.
         config = deepspeed_config(self.spec, self.precision, grad_accum_steps, max_grad_norm, per_device_batch_size,
                                   world_size, hidden_size, cuda=cuda, layer_parameters=layer_parameters)

@@ -7,7 +7,7 @@ one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check afte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -21,10 +21,11 @@ from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, Stra
 from runner.distributed.patches import FSDP2_ON_CPU, engaged
 from runner.distributed.strategy import Strategy
 
-# The transformer layer each FSDP unit wraps (Accelerate's transformer_based_wrap); the
-# root is always wrapped too. A model type missing here would be sharded as one unit:
-# correct, but its whole parameters gathered at once, so it is refused at validation.
-LAYER_CLASSES: dict[str, str] = {"gpt2": "GPT2Block"}
+# Each FSDP unit wraps one of the model's own transformer layers (Accelerate's
+# transformer_based_wrap over the classes transformers names in the model's
+# _no_split_modules: runner/components/model.py layer_class_names); the root is always
+# wrapped too. A model naming none would be sharded as one unit (correct, but its whole
+# parameters gathered at once), so it is refused before launch (launch/preflight.py).
 
 LOW_PRECISION = {PrecisionKind.bf16: "bfloat16", PrecisionKind.fp16: "float16"}
 
@@ -39,14 +40,14 @@ def mixed_precision_policy(precision: PrecisionSpec) -> Any:
     return MixedPrecisionPolicy(param_dtype=getattr(torch, LOW_PRECISION[precision.kind]), reduce_dtype=torch.float32)
 
 
-def fsdp_plugin(strategy: StrategySpec, precision: PrecisionSpec, model_type: str) -> Any:
+def fsdp_plugin(strategy: StrategySpec, precision: PrecisionSpec, layer_classes: Sequence[str]) -> Any:
     """Accelerate's FSDP2 plugin with every field the spec decides set explicitly (left
     unset, the plugin reads FSDP_* environment variables, which an outer launch may set)."""
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
         reshard_after_forward=strategy.reshard_after_forward,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=[LAYER_CLASSES[model_type]],
+        transformer_cls_names_to_wrap=list(layer_classes),
         # Checkpoints: each rank writes its own shards (torch.distributed.checkpoint).
         state_dict_type="SHARDED_STATE_DICT",
         # Every rank builds the same seeded model, so nothing needs broadcasting from rank 0.
@@ -76,7 +77,8 @@ def engage_on_cpu(accelerator: "Accelerator", plugin: Any) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def engagement_problems(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec) -> list[str]:
+def engagement_problems(accelerator: "Accelerator", model: Any, strategy: StrategySpec, precision: PrecisionSpec,
+                        layer_classes: Sequence[str]) -> list[str]:
     """What differs between the FSDP2 wrapping in effect and the spec: FSDP2 engaged in
     Accelerate, the root and every transformer layer an FSDPModule, the reshard setting
     and the mixed-precision policy of each layer, CPU offload."""
@@ -86,7 +88,9 @@ def engagement_problems(accelerator: "Accelerator", model: Any, strategy: Strate
         return [f"expected the model sharded by FSDP2 (fully_shard), got {type(model).__name__}"]
     problems: list[str] = []
     # fully_shard swaps each wrapped module's class for a subclass (GPT2Block -> FSDPGPT2Block).
-    layers = [m for m in model.modules() if any(c.__name__ in LAYER_CLASSES.values() for c in type(m).__mro__)]
+    # The classes the accelerator was built with; else (a check on its own) the model's list.
+    layer_classes = list(layer_classes) or list(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if any(c.__name__ in layer_classes for c in type(m).__mro__)]
     unwrapped = [i for i, m in enumerate(layers) if not isinstance(m, FSDPModule)]
     if not layers or unwrapped:
         problems.append(f"transformer layers not each an FSDP unit: {len(layers)} found, unwrapped {unwrapped}")
@@ -115,6 +119,7 @@ class FSDPStrategy(Strategy):
     def __init__(self, spec: StrategySpec, precision: PrecisionSpec) -> None:
         super().__init__(spec, precision)
         self.plugin: Any = None
+        self.layer_classes: list[str] = []  # the model's own, given with the accelerator options
 
     def needs_process_group(self) -> bool:
         return True  # fully_shard needs a device mesh over a process group, even of one rank
@@ -129,9 +134,14 @@ class FSDPStrategy(Strategy):
 
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None,
+                            layer_classes: Sequence[str] = ()) -> dict[str, Any]:
         # cpu=True on a CPU: Accelerate then builds a gloo group, which engage_on_cpu turns into FSDP.
-        self.plugin = fsdp_plugin(self.spec, self.precision, model_type)
+        if not layer_classes:
+            raise ValueError(f"strategy=fsdp: the {model_type} model names no transformer-layer class to wrap "
+                             "(_no_split_modules); launch/preflight.py refuses it before this")
+        self.layer_classes = list(layer_classes)
+        self.plugin = fsdp_plugin(self.spec, self.precision, self.layer_classes)
         return {"cpu": not cuda, "fsdp_plugin": self.plugin}
 
     def after_accelerator(self, accelerator: "Accelerator") -> None:
@@ -139,7 +149,7 @@ class FSDPStrategy(Strategy):
             engage_on_cpu(accelerator, self.plugin)
 
     def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
-        return engagement_problems(accelerator, model, self.spec, self.precision)
+        return engagement_problems(accelerator, model, self.spec, self.precision, self.layer_classes)
 
     def after_evaluation(self, model: Any) -> None:
         reshard(model)

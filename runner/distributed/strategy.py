@@ -16,7 +16,7 @@ Order of use (runner/train/worker.py, runner/train/trainer.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -90,7 +90,8 @@ class Strategy:
     # ------------------------------------------------------------ the Accelerator
     def accelerator_options(self, *, cuda: bool, grad_accum_steps: int, max_grad_norm: float,
                             per_device_batch_size: int, world_size: int, hidden_size: Optional[int],
-                            model_type: str, layer_parameters: int | None = None) -> dict[str, Any]:
+                            model_type: str, layer_parameters: int | None = None,
+                            layer_classes: Sequence[str] = ()) -> dict[str, Any]:
         """Keyword arguments for Accelerator(): a plugin, and whether it runs as `cpu`.
         DDP on CPU needs cpu=True, else two unsynchronised copies."""
         return {"cpu": not cuda}

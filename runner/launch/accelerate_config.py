@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from runner.components.model import build_config, build_meta_model, layer_class_names
 from runner.config.errors import UserError
 from runner.config.spec import OffloadDevice, PrecisionKind, RunSpec, StrategyKind
-from runner.distributed.fsdp import LAYER_CLASSES
 
 # accelerate config key -> the runner override that does the same.
 ACCELERATE_KEYS: dict[str, str] = {
@@ -139,9 +140,9 @@ def _apply_fsdp(spec: RunSpec, fsdp: dict[str, Any], filename: str) -> list[str]
         notes.append(f"{filename}: fsdp_config.fsdp_auto_wrap_policy={policy} not applied (the runner wraps each "
                      "transformer layer and the root: TRANSFORMER_BASED_WRAP).")
     layers = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-    if layers and {str(c).strip() for c in str(layers).split(",")} - set(LAYER_CLASSES.values()):
+    if layers and {str(c).strip() for c in str(layers).split(",")} != set(_model_layer_classes(spec)):
         notes.append(f"{filename}: fsdp_config.fsdp_transformer_layer_cls_to_wrap={layers!r} not applied (the runner "
-                     f"wraps the model's own layer class: {', '.join(f'{v} for {k}' for k, v in LAYER_CLASSES.items())}).")
+                     "wraps the model's own layer classes, the ones transformers names in its _no_split_modules).")
     state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper()
     if state_dict != "SHARDED_STATE_DICT":
         notes.append(f"{filename}: fsdp_config.fsdp_state_dict_type={state_dict} not applied (checkpoints are always "
@@ -223,3 +224,13 @@ def apply_accelerate_config(spec: RunSpec) -> list[str]:
             reason = _NOTED.get(f"deepspeed_config.{key}", "unknown to the runner")
             notes.append(f"{path.name}: deepspeed_config.{key}={value!r} not applied ({reason}).")
     return notes
+
+
+def _model_layer_classes(spec: Any) -> list[str]:
+    """The layer classes runner's FSDP wraps for this spec's model (built on the meta
+    device); empty when the model cannot be built (preflight says why)."""
+    try:
+        with torch.device("meta"):
+            return layer_class_names(build_meta_model(build_config(spec.model)))
+    except Exception:  # noqa: BLE001 - reported by the model checks, with the reason
+        return []

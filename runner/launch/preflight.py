@@ -19,9 +19,11 @@ from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
 from runner.components.model import (
     build_config,
+    build_meta_model,
     build_tokenizer,
     check_sources,
     hub_reachable,
+    layer_class_names,
     max_positions,
     probe_model,
     tokenizer_source,
@@ -29,7 +31,6 @@ from runner.components.model import (
 from runner.config.errors import UserError
 from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
-from runner.distributed.fsdp import LAYER_CLASSES
 from runner.distributed.strategy import MIXED_PRECISION
 
 
@@ -133,6 +134,22 @@ def check_machine(spec: RunSpec) -> list[str]:
     return problems
 
 
+def fsdp_layer_problems(spec: RunSpec) -> list[str]:
+    """strategy=fsdp wraps each of the model's own transformer layers (its
+    _no_split_modules classes, read from the model built on the meta device)."""
+    try:
+        config = build_config(spec.model)
+        with torch.device("meta"):
+            model = build_meta_model(config)
+    except Exception:  # noqa: BLE001 - check_model reports a model that cannot be built, with its reason
+        return []
+    if layer_class_names(model):
+        return []
+    return [f"strategy=fsdp wraps each transformer layer of the model in its own FSDP unit, and "
+            f"{type(model).__name__} names no layer class to wrap (transformers' _no_split_modules is empty). "
+            "Use strategy=zero3 or ddp."]
+
+
 def check_fsdp(spec: RunSpec) -> list[str]:
     """What strategy=fsdp cannot do here, refused before any worker starts (the world
     size is checked in validate(), which knows it)."""
@@ -146,9 +163,7 @@ def check_fsdp(spec: RunSpec) -> list[str]:
         p.append("model.compile=true with strategy=fsdp is not supported yet (Accelerate compiles the model before "
                  "fully_shard, which runner's engagement check and unwrap do not handle). Use model.compile=false, "
                  "or strategy=ddp / zero2 with model.compile=true.")
-    if spec.model.name_or_path is None and spec.model.model_type not in LAYER_CLASSES:
-        p.append(f"strategy=fsdp wraps each transformer layer of {', '.join(LAYER_CLASSES)} models; "
-                 f"model.model_type={spec.model.model_type} has no known layer class. Use strategy=zero3 or ddp.")
+    p += fsdp_layer_problems(spec)
     return p
 
 

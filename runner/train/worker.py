@@ -40,6 +40,7 @@ from runner.components.model import (
     build_model,
     build_tokenizer,
     count_parameters,
+    layer_class_names,
     layer_parameters,
     max_positions,
 )
@@ -168,6 +169,7 @@ def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: P
         per_device_batch_size=spec.train.per_device_batch_size, model_type=config.model_type,
         hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
         layer_parameters=layer_parameters(built.model),  # ZeRO-3's prefetch on a GPU
+        layer_classes=layer_class_names(built.model),  # what FSDP2 wraps
     )
 
 

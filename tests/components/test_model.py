@@ -87,3 +87,27 @@ def test_an_encoder_without_is_decoder_is_refused_as_a_causal_lm():
     assert probe_model(decoder, build_config(decoder)) == []
     for model_type in ("gpt2", "llama", "gpt_neox"):  # decoders, gpt_neox with an is_decoder=False field of its own
         assert probe_model(_spec(model_type, ""), build_config(_spec(model_type, ""))) == [], model_type
+
+
+@pytest.mark.parametrize("model_type, layer", [("gpt2", "GPT2Block"), ("llama", "LlamaDecoderLayer"),
+                                               ("qwen3", "Qwen3DecoderLayer"), ("mixtral", "MixtralDecoderLayer")])
+def test_fsdp_wraps_the_layer_class_each_model_names(model_type, layer):
+    from runner.components.model import build_config, build_meta_model, layer_class_names
+
+    with torch.device("meta"):
+        model = build_meta_model(build_config(_spec(model_type, "")))
+    assert layer_class_names(model) == [layer]
+
+
+def test_fsdp_refuses_a_model_that_names_no_layer_class(compose_spec, monkeypatch):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
+
+    from runner.launch.preflight import fsdp_layer_problems
+
+    from conftest import MICRO
+
+    spec = compose_spec(*MICRO, "strategy=fsdp")  # GPT-2 from scratch: no hub needed
+    assert fsdp_layer_problems(spec) == []
+    monkeypatch.setattr(GPT2PreTrainedModel, "_no_split_modules", [])  # as a model without transformers' list
+    [problem] = fsdp_layer_problems(spec)
+    assert "GPT2LMHeadModel names no layer class to wrap" in problem and "strategy=zero3" in problem

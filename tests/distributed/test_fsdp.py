@@ -25,7 +25,8 @@ def fsdp_run(precision=PrecisionKind.fp32, reshard=True) -> RunSpec:
 
 def prepared(spec: RunSpec):
     torch.manual_seed(0)
-    accelerator = build_accelerator(build_strategy(spec.strategy, spec.precision), grad_accum_steps=1, max_grad_norm=1.0)
+    accelerator = build_accelerator(build_strategy(spec.strategy, spec.precision), grad_accum_steps=1, max_grad_norm=1.0,
+                                    layer_classes=["GPT2Block"])
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=100))
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
