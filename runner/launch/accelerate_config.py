@@ -38,7 +38,7 @@ ACCELERATE_KEYS: dict[str, str] = {
     "fsdp_config.fsdp_reshard_after_forward": "strategy.reshard_after_forward",
     "fsdp_config.fsdp_offload_params: true / false": "strategy.offload_params=cpu / none",
     "fsdp_config.fsdp_activation_checkpointing": "model.gradient_checkpointing",
-    "fsdp_config.fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP": "(always: each transformer layer, e.g. GPT2Block, and the root)",
+    "fsdp_config.fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP": "(always: each of the model's own transformer layers, e.g. GPT2Block, and the root)",
     "fsdp_config.fsdp_state_dict_type": "(always: checkpoints sharded per rank, model/ the full gathered model)",
 }
 
