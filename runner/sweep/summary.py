@@ -108,10 +108,11 @@ def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> 
     labels = _varying(rows)
     parity = parity or {}
     header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
-              "max |Δloss|", "max grad-norm rel diff", "parity"]
+              "max abs Δloss", "max grad-norm rel diff", "parity"]
     body = [
         [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}",
-         f"{r.run}: {r.reason}" if r.status == "ok" and r.reason else _cell(r.run),  # why a finished job was not kept _cell(r.train_loss),
+         # A finished job that ran again says why it was not kept.
+         f"{r.run}: {r.reason}" if r.status == "ok" and r.reason else _cell(r.run), _cell(r.train_loss),
          _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
          *_parity_cells(parity.get(r.job, JobParity()))]
         for r in rows

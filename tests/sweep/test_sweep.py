@@ -104,4 +104,4 @@ def test_a_strategy_sweep_certifies_parity(tmp_path):
     assert float(rows[1]["tokens_per_s"]) > 0 and float(rows[1]["peak_memory_mb"]) > 0
     summary = (sweep_dir / "summary.md").read_text()
     assert "| parity |" in summary and "Dropout was on" not in summary
-    assert "max |Δloss|" in done.stdout
+    assert "max abs Δloss" in done.stdout

@@ -51,7 +51,7 @@ def test_equal_runs_pass_and_a_one_percent_gradient_norm_gap_fails(tmp_path):
     assert rows["2_abc2"]["parity_detail"].startswith("step 1: grad_norm 3.1 vs 3.131 (1.00% apart, allowed 0.1%)")
     assert "(+5 more)" in rows["2_abc2"]["parity_detail"]
     md = (tmp_path / "summary.md").read_text()
-    assert "| max |Δloss| | max grad-norm rel diff | parity |" in md
+    assert "| max abs Δloss | max grad-norm rel diff | parity |" in md
     assert "| 1.000% | FAILED: step 1: grad_norm" in md
     assert "against job 0_abc0 (strategy=ddp)" in md
     assert "Dropout was on" not in md
@@ -169,3 +169,23 @@ def test_fp32_across_strategies_stays_strict(tmp_path):
     row = read_csv(tmp_path)["1_abc1"]
     assert row["parity"] == "FAILED" and "allowed 0.0001" in row["parity_detail"] and "bf16" not in row["parity_detail"]
     assert "held to" not in (tmp_path / "summary.md").read_text()
+
+
+def test_every_row_of_the_summary_table_lines_up_with_its_header():
+    """Each figure under its own column, for a kept, a re-run (with its why) and a failed job."""
+    from runner.sweep.summary import JobRow, table
+
+    rows = [JobRow("a", "optim.lr=1", "ok", train_loss=1.5, eval_loss=2.5, perplexity=12.2, tokens_per_s=100.0,
+                   peak_memory_mb=300.0, wall_s=4.0, run="kept"),
+            JobRow("b", "optim.lr=2", "ok", train_loss=1.25, eval_loss=2.25, run="re-run",
+                   reason="finished under other settings: train.max_steps: 8 -> 6"),
+            JobRow("c", "optim.lr=3", "failed", reason="non-finite loss", run="new")]
+    header, _, *body = table(rows).splitlines()
+    names = [c.strip() for c in header.strip("|").split("|")]
+    for line in body:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(names), line
+    first = dict(zip(names, (c.strip() for c in body[0].strip("|").split("|"))))
+    assert (first["train loss"], first["eval loss"], first["peak MB"], first["run"]) == ("1.5", "2.5", "300", "kept")
+    second = dict(zip(names, (c.strip() for c in body[1].strip("|").split("|"))))
+    assert second["run"] == "re-run: finished under other settings: train.max_steps: 8 -> 6" and second["train loss"] == "1.25"
