@@ -105,7 +105,10 @@ def reset_peak_memory() -> None:
     this, each job's peak would be the largest of every job before it (the process's
     lifetime peak RSS, CUDA's peak counters and the run peak kept above)."""
     _run_peak_mb.clear()
-    if torch.cuda.is_available():
+    # Only where an earlier run used CUDA: in a fresh process there is nothing to reset, and
+    # the memory-stat calls would create a CUDA context on every device before the worker
+    # picked its own, and before train.deterministic set CUBLAS_WORKSPACE_CONFIG.
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # the caching allocator's blocks from before count as reserved otherwise
         for index in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(index)

@@ -65,7 +65,7 @@ def test_a_new_run_in_the_same_process_starts_its_gpu_peak_afresh(monkeypatch):
     monkeypatch.setattr(metrics, "_run_peak_mb", {})
     cuda = _FakeCuda()
     cuda.install(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the job before used the GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     live_mib = 200
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: cuda.hold(live_mib))  # the cache handed back to the driver
@@ -75,6 +75,21 @@ def test_a_new_run_in_the_same_process_starts_its_gpu_peak_afresh(monkeypatch):
     metrics.reset_peak_memory()
     cuda.hold(500)  # the second job's own peak
     assert metrics.peak_memory_mb(device) == 500
+
+
+def test_a_fresh_process_makes_no_cuda_call_to_reset_its_peak(monkeypatch):
+    """No earlier run used CUDA: nothing to reset, and no context made on any device."""
+    import torch
+
+    from runner.report import metrics
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a CUDA call in a process that has not used CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for name in ("is_available", "empty_cache", "device_count", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    metrics.reset_peak_memory()
 
 
 def test_a_new_run_in_the_same_process_starts_its_cpu_peak_afresh():
