@@ -6,6 +6,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -379,6 +380,8 @@ def test_a_diverging_middle_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     first = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600)
     assert first.returncode == 1, first.stderr[-3000:]
     assert "Traceback" not in first.stderr
+    # The console line, as the user sees it.
+    assert re.search(r"runner: non-finite loss or gradient norm at step \d+ .*Lower optim.lr", first.stderr)
     rows = by_lr(sweep_dir)
     assert {lr: r["status"] for lr, r in rows.items()} == {1e-3: "ok", 1e30: "failed", 2e-3: "ok"}
     assert "non-finite loss or gradient norm at step" in rows[1e30]["reason"]
