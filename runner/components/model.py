@@ -178,9 +178,11 @@ def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: in
     line naming its shape settings, not a traceback from inside attention; an encoder
     built as a causal LM without is_decoder (whose attention would see the token it
     predicts; transformers only warns) is refused. Seconds even for a 7B config."""
+    import copy
     import logging as std_logging
 
     import torch
+    from transformers import AutoModelForCausalLM
 
     warnings_seen: list[str] = []
 
@@ -192,7 +194,12 @@ def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: in
     logger.addHandler(handler)
     try:
         with torch.device("meta"):
-            model = build_meta_model(config)
+            # A mixture of experts runs its experts as one grouped matmul (transformers'
+            # default), whose meta kernel takes bf16 only, or eagerly, which asks which
+            # experts a token chose (nonzero: data the meta device does not have).
+            # batched_mm has the same shapes and no data-dependent step. A copy: the
+            # choice is written into the config, and the run's own model keeps the default.
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="batched_mm")
         if any("is_decoder=True" in w for w in warnings_seen):
             return [f"model.model_type={config.model_type} builds {type(model).__name__}, an encoder: without "
                     "is_decoder=true its attention sees the token it is asked to predict, so every loss it prints "

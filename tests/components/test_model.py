@@ -111,3 +111,17 @@ def test_fsdp_refuses_a_model_that_names_no_layer_class(compose_spec, monkeypatc
     monkeypatch.setattr(GPT2PreTrainedModel, "_no_split_modules", [])  # as a model without transformers' list
     [problem] = fsdp_layer_problems(spec)
     assert "GPT2LMHeadModel names no layer class to wrap" in problem and "strategy=zero3" in problem
+
+
+def test_a_mixture_of_experts_passes_the_probe_and_its_config_is_left_alone():
+    """Transformers' grouped matmul of experts has a bf16-only meta kernel: the probe once
+    refused every Mixtral as 'cannot run a micro-batch'. It runs the experts batched."""
+    from runner.certify.architectures import TINY
+    from runner.components.model import build_config, probe_model
+
+    spec = _spec("mixtral", TINY["mixtral"])
+    config = build_config(spec)
+    before = (config.to_dict(), getattr(config, "_experts_implementation", None))
+    assert probe_model(spec, config) == []
+    # The run's own model keeps transformers' default experts.
+    assert (config.to_dict(), getattr(config, "_experts_implementation", None)) == before
