@@ -56,14 +56,11 @@ RUN = [
 
 def estimate_mb(run_dir: Path) -> float:
     """The dry-run plan's per-rank estimate for the run's frozen spec."""
-    from runner.launch.dry_run import model_shape
-    from runner.report.memory_estimate import estimate_memory
     from runner.config.spec import load_spec
+    from runner.launch.dry_run import estimate_for, model_shape
 
     spec = load_spec(run_dir / "run_spec.yaml")
-    shape = model_shape(spec)
-    est = estimate_memory(shape.parameters, spec.strategy.kind.value, spec.precision.kind.value, 2,
-                          hidden_size=shape.hidden_size, layers=shape.layers)
+    est = estimate_for(model_shape(spec), spec.strategy.kind.value, spec.precision.kind.value, 2)
     return est.device_total / 2**20
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runner.components.data import PreparedData
-from runner.components.model import build_config, count_parameters
+from runner.components.model import build_config, count_parameters, layer_parameters
 from runner.config.spec import OffloadDevice, RunSpec, spec_to_yaml
 from runner.report.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate, estimate_memory
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
@@ -22,6 +22,7 @@ class ModelShape:
     parameters: int
     hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/distributed/deepspeed.py zero_sizes)
     layers: Optional[int] = None  # transformer layers: FSDP2 gathers one or two at a time
+    layer_parameters: Optional[int] = None  # one layer's, counted on the model's module tree
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
@@ -29,16 +30,22 @@ def model_shape(spec: RunSpec) -> ModelShape:
     config = build_config(spec.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None))
+    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None),
+                      layer_parameters(model))
+
+
+def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False,
+             offload_params: bool = False) -> MemoryEstimate:
+    """Per-rank memory of this model under one strategy."""
+    return estimate_memory(shape.parameters, strategy, precision, world_size, offload_optimizer, offload_params,
+                           hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
+                           layer_parameters=shape.layer_parameters)
 
 
 def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
     """Per-rank memory under each compared strategy (no offload), as the dry run prints
     it and bench/strategy_memory.py sets it beside what it measures."""
-    cuda = torch.cuda.is_available()
-    return {s: estimate_memory(shape.parameters, s, precision, world_size, hidden_size=shape.hidden_size, layers=shape.layers,
-                               cuda=cuda)
-            for s in COMPARED_STRATEGIES}
+    return {s: estimate_for(shape, s, precision, world_size) for s in COMPARED_STRATEGIES}
 
 
 def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
@@ -56,10 +63,9 @@ def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
     )
     offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
     offload_par = spec.strategy.offload_params is OffloadDevice.cpu
-    estimate = estimate_memory(plan.parameters, plan.strategy, plan.precision, world_size, offload_opt, offload_par,
-                               hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available())
+    mine = estimate_for(shape, plan.strategy, plan.precision, world_size, offload_opt, offload_par)
     comparison = estimates(shape, plan.precision, world_size)
-    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, estimate, comparison)}"
+    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, mine, comparison)}"
 
 
 def _gib(n_bytes: float) -> str:

@@ -33,24 +33,30 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.buffers
 
 
-def _outside_layers(n: float, hidden_size: int, layers: int) -> float:
-    """Parameters outside the transformer layers (GPT-2: the embeddings and final norm),
-    each layer taken as GPT2_LAYER_WEIGHTS h² weights."""
-    return max(n - layers * GPT2_LAYER_WEIGHTS * hidden_size * hidden_size, 0.0)
+def _layer(hidden_size: int, layer_parameters: Optional[int]) -> float:
+    """One transformer layer's parameters: counted on the model (any architecture:
+    grouped-query attention, gated MLPs, every expert of a mixture, which all sit in
+    memory), else taken as GPT-2's GPT2_LAYER_WEIGHTS h²."""
+    return float(layer_parameters) if layer_parameters else float(GPT2_LAYER_WEIGHTS * hidden_size * hidden_size)
 
 
-def _fsdp_buffers(n: float, compute_bytes: float, hidden_size: int, layers: int) -> float:
+def _outside_layers(n: float, layer: float, layers: int) -> float:
+    """Parameters outside the transformer layers: the embeddings, an untied output head,
+    the final norm."""
+    return max(n - layers * layer, 0.0)
+
+
+def _fsdp_buffers(n: float, compute_bytes: float, layer: float, layers: int) -> float:
     """FSDP2 (runner/distributed/fsdp.py wraps each transformer layer and the root): the root's
     parameters (embeddings, final norm: all outside the layers) stay gathered through
     the step, at most two layers are gathered at once (the one computing and the one
     prefetched), both at the compute precision, and one layer's gradients wait in fp32
-    for their reduce-scatter. A layer is taken as GPT-2's 12 h² weights."""
-    layer = GPT2_LAYER_WEIGHTS * hidden_size * hidden_size
-    return (_outside_layers(n, hidden_size, layers) + 2 * layer) * compute_bytes + layer * 4.0
+    for their reduce-scatter."""
+    return (_outside_layers(n, layer, layers) + 2 * layer) * compute_bytes + layer * 4.0
 
 
 def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int],
-             layers: Optional[int] = None, cuda: bool = False) -> float:
+             layers: Optional[int] = None, cuda: bool = False, layer_parameters: Optional[int] = None) -> float:
     """Working memory beyond the states, in bytes.
 
     ddp: torch's DDP reduces gradients through buckets that are a second copy of every
@@ -67,10 +73,10 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     if strategy not in ZERO or not hidden_size:
         return 0.0
     stage = 3 if strategy in SHARDS_PARAMS else 2
-    sizes = zero_sizes(stage, hidden_size, cuda)
+    sizes = zero_sizes(stage, hidden_size, cuda, layer_parameters)
     total = sizes["reduce_bucket_size"] * grad_bytes
     if stage == 3:
-        largest = _outside_layers(n, hidden_size, layers) if layers else n
+        largest = _outside_layers(n, _layer(hidden_size, layer_parameters), layers) if layers else n
         total += (largest + sizes["stage3_max_live_parameters"]) * weight_bytes
     return float(total)
 
@@ -80,6 +86,7 @@ def estimate_memory(
     hidden_size: Optional[int] = None,
     layers: Optional[int] = None,
     cuda: bool = False,
+    layer_parameters: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -93,6 +100,8 @@ def estimate_memory(
     all three whatever the precision (its mixed precision casts a gathered copy), and
     its CPU offload moves all three to the host; its buffers need `layers` as well.
     `cuda`: ZeRO-3's residency as sized on a GPU (two layers live, zero_sizes).
+    `layer_parameters`: one transformer layer's parameters, counted on the model (else
+    GPT-2's 12 h²): what FSDP2 gathers at a time, and what lies outside the layers.
     """
     n, w = float(n_params), max(world_size, 1)
     half = precision in ("bf16", "fp16") and strategy in ZERO
@@ -114,7 +123,8 @@ def estimate_memory(
         params = 0.0
     if strategy == "fsdp":
         compute_bytes = 2.0 if precision in ("bf16", "fp16") else 4.0
-        buffers = _fsdp_buffers(n, compute_bytes, hidden_size, layers) if hidden_size and layers else 0.0
+        buffers = (_fsdp_buffers(n, compute_bytes, _layer(hidden_size, layer_parameters), layers)
+                   if hidden_size and layers else 0.0)
     else:
-        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda)
+        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda, layer_parameters)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)

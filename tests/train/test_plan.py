@@ -89,3 +89,30 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "ddp 63.4 MiB | zero2 " in out and "zero3 " in out  # 3,324,736 x 20 bytes
     assert "buffers       " in out
     assert not run_dir.exists()
+
+
+# Hand counts of two tiny models of runner/certify/architectures.py (h 64, 4 query heads of
+# 16 over 2 key-value heads, MLP 128, 2 layers, the GPT-2 tokenizer's 50,257 tokens, an
+# untied output head): attention q, o 64x64 each and k, v 64x32 each = 12,288; two norms
+# of 64 = 128; a gated MLP (gate, up, down) 3 x 64 x 128 = 24,576.
+GQA_LAYER = 12_288 + 128 + 24_576
+# A mixture of 4 such MLPs with a 64 x 4 router: every expert sits in memory.
+MOE_LAYER = 12_288 + 128 + 4 * 24_576 + 64 * 4
+OUTSIDE = 2 * 50_257 * 64 + 64  # embedding, untied head, final norm
+
+
+@pytest.mark.parametrize("model_type, layer", [("llama", GQA_LAYER), ("mixtral", MOE_LAYER)])
+def test_the_memory_plan_counts_the_models_own_layers(compose_spec, model_type, layer):
+    """Grouped-query attention, a gated MLP, a mixture of experts, an untied head: the plan
+    counts them from the model (on the meta device), not as GPT-2's 12 h² a layer."""
+    from runner.certify.architectures import TINY
+    from runner.launch.dry_run import estimate_for, model_shape
+
+    spec = compose_spec("recipe=gpt2_clm_tiny", f"model.model_type={model_type}",
+                        f"model.config_overrides='{TINY[model_type]}'")
+    shape = model_shape(spec)
+    assert (shape.parameters, shape.layer_parameters, shape.layers) == (2 * layer + OUTSIDE, layer, 2)
+    fsdp = estimate_for(shape, "fsdp", "fp32", 2)
+    assert fsdp.buffers == (OUTSIDE + 2 * layer) * 4 + layer * 4  # the root gathered, two layers, one layer's grads
+    zero3 = estimate_for(shape, "zero3", "fp32", 2)
+    assert zero3.buffers == 4 * 64 * 64 + 4 * (OUTSIDE + int(0.9 * 64 * 64))  # CPU: the head gathered alone + a bucket
