@@ -12,6 +12,7 @@ own spec differs in anything but its run folder and node rank stops the run.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,6 +101,9 @@ def select_device() -> int:
     return index
 
 
+_GROUPS_STARTED = itertools.count()
+
+
 def init_process_group(timeout_minutes: float = 30.0) -> None:
     """Initialise torch.distributed from the environment (Accelerate reuses it)."""
     import torch
@@ -119,7 +123,9 @@ def init_process_group(timeout_minutes: float = 30.0) -> None:
         # process's address and wait forever (seen here). One prefix per attempt.
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"runner/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+        # One more per group this process starts (runner certify runs several in turn).
+        store = dist.PrefixStore(f"runner/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                                 f"group_{next(_GROUPS_STARTED)}", base)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return
     dist.init_process_group(backend=backend, timeout=timeout)

@@ -13,7 +13,9 @@ import os
 import socket
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -76,9 +78,13 @@ def _run_in_process(spec: RunSpec) -> None:
 
 
 @record
-def _worker_entry(spec_path: str) -> None:
+def _worker_entry(*spec_paths: str) -> None:
     try:
-        worker.main(spec_path)
+        for spec_path in spec_paths:
+            worker.main(spec_path)
+            # The next run in this process (runner certify) starts from nothing: a
+            # finished run closed its process group; Accelerate and DeepSpeed keep theirs.
+            reset_accelerate_state()
     except UserError as err:
         # A problem the user can fix, found on this rank (rank 0 or not): one line and
         # exit 2, as in the launcher, instead of @record's traceback.
@@ -88,13 +94,31 @@ def _worker_entry(spec_path: str) -> None:
 
 
 def launch(spec: RunSpec, spec_path: Path) -> None:
+    with planned_world(spec):
+        _launch(spec, spec_path)
+
+
+def launch_in_turn(spec: RunSpec, spec_paths: list[Path]) -> None:
+    """Several frozen runs on one set of spawned workers, one after another: each worker
+    imports torch, transformers and DeepSpeed once, not once a run (runner certify runs
+    dozens of seconds-long runs). `spec` stands for them all: they share its launch
+    settings (one node, launch.nproc_per_node workers, no restarts)."""
+    assert spec.launch.nnodes == 1 and spec.launch.max_restarts == 0, "one node, no restarts"
+    with planned_world(spec):
+        nproc = resolve_nproc(spec.launch)
+        prepare_environment(nproc, spec.launch.debug)
+        _spawn(spec, nproc, [str(p) for p in spec_paths])
+
+
+@contextmanager
+def planned_world(spec: RunSpec) -> Iterator[None]:
     # The plan is inherited by spawned workers, and only by them: left in this process's
     # environment, a later launch from it (a test session, a torchrun started by a sweep
     # job) would hand a stale plan to ranks that never saw this launcher.
     previous = os.environ.get(PLANNED_WORLD_SIZE_ENV)
     os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))
     try:
-        _launch(spec, spec_path)
+        yield
     finally:
         if previous is None:
             os.environ.pop(PLANNED_WORLD_SIZE_ENV, None)
@@ -114,6 +138,10 @@ def _launch(spec: RunSpec, spec_path: Path) -> None:
         return
     # More than one worker, or one that may need restarting (launch.max_restarts): a
     # worker in this process could not be restarted after a crash, so it is spawned.
+    _spawn(spec, nproc, [str(spec_path)])
+
+
+def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str]) -> None:
     multi_node = spec.launch.nnodes > 1
     endpoint = spec.launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
@@ -136,6 +164,6 @@ def _launch(spec: RunSpec, spec_path: Path) -> None:
     if multi_node:
         check_endpoint(spec.launch, endpoint)
     try:
-        elastic_launch(config, _worker_entry)(str(spec_path))
+        elastic_launch(config, _worker_entry)(*spec_paths)
     except RendezvousError as err:
         raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -8,8 +8,9 @@ from __future__ import annotations
 import signal
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -47,6 +48,23 @@ def start(
 ) -> None:
     """Validate, claim the run folder, freeze the spec, launch. Used by `runner ...`,
     `runner --spec` and each sweep job."""
+    spec_path = claim(spec, run_dir, overwrite, composed, overrides, run_dir_chosen)
+    if spec_path is not None:
+        with launch_failures(spec, run_dir):
+            launch(spec, spec_path)
+
+
+def claim(
+    spec: RunSpec,
+    run_dir: Path,
+    overwrite: bool,
+    composed: Any = None,
+    overrides: tuple[str, ...] = (),
+    run_dir_chosen: bool = True,
+) -> Optional[Path]:
+    """Everything before the launch: settle the launch, validate, claim the run folder and
+    freeze the spec. The frozen spec's path, or None when there is nothing to launch (a
+    dry run, a finished run asked to resume)."""
     if spec.strategy.kind is StrategyKind.accelerate_config:
         if not spec.strategy.config_file:
             raise UserError("strategy=accelerate_config needs its file: add strategy.config_file=path/to/accelerate_config.yaml")
@@ -68,7 +86,7 @@ def start(
         print(report(spec, data, world))
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
-        return
+        return None
     if spec.launch.nnodes > 1 and not run_dir_chosen:
         raise UserError(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
@@ -77,7 +95,7 @@ def start(
     resume = check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else ResumePlan()
     if resume.finished:
         sys.stderr.write(f"runner: {resume.finished}\n")  # before anything is written: the folder stays byte-identical
-        return
+        return None
     checkpoint, notes = resume.checkpoint, list(resume.notes)
     if spec.launch.node_rank > 0:
         # Node 0 owns the run folder; this node's workers only need the spec.
@@ -96,8 +114,14 @@ def start(
         spec_path = freeze(spec, run_dir, composed, overrides)
     for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
         sys.stderr.write(f"runner: {note}\n")
+    return spec_path
+
+
+@contextmanager
+def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
+    """How the workers ended, as one line: a signal (they checkpointed) or a failed rank."""
     try:
-        launch(spec, spec_path)
+        yield
     except SignalException as err:
         # The launcher was signalled; the workers got it too and checkpointed.
         code = EXIT_CODES.get(signal.Signals(err.sigval), 1)
