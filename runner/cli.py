@@ -48,6 +48,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         if argv[:1] == ["env"]:
             env_main()
+        elif argv[:1] == ["certify"]:
+            from runner.certify.matrix import main as certify_main
+
+            certify_main(argv[1:])
         elif joined is not None and joined.rank != 0:
             _follow()
         elif any(a == "--spec" or a.startswith("--spec=") for a in argv):

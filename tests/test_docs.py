@@ -17,6 +17,7 @@ SECTIONS = {
     "docs/resume-and-faults.md": ("Checkpoints and resume", "When a run hangs"),
     "docs/clusters-and-slurm.md": ("Two machines", "Slurm", "Preemption and requeue on Slurm"),
     "docs/gpus.md": ("On GPUs",),
+    "docs/architectures.md": ("Architectures: any causal LM, certified", "Certifying an architecture", "The matrix"),
     "docs/run-folder.md": ("Seeing the run", "The run folder"),
     "docs/config-groups.md": ("Configuration groups", "Your own recipes"),
     "docs/benchmarks.md": ("Benchmarks",),

@@ -1,0 +1,279 @@
+"""`runner certify`: does each architecture train the same under every strategy?
+
+For each model type (a tiny config, runner/certify/architectures.py, randomly initialised
+once and saved with save_pretrained: every run starts from those weights, as from a
+user's pretrained folder) and precision it runs, on the embedded data, dropout off:
+- a reference: one process, 8 sequences a step, 12 steps over two epoch boundaries;
+- each strategy (ddp, zero2, zero3, fsdp) at 2 processes x 4 sequences: the same global
+  batch, so the same math. Each stops at an odd step mid-epoch (7), saving a checkpoint,
+  and a new run resumes it (resume=auto) to step 12.
+
+A cell is exact when every step's loss and gradient norm match the reference (fp32:
+1e-4 and 0.1%, runner/report/parity.py), the resume logged each step once, and the
+saved model/ loads with `from_pretrained` and gives the reference model's logits. bf16
+is held to bf16's allowance (BF16_LAYOUT). A strategy that refuses the architecture
+says why.
+
+Start-up dominates such small runs, so every strategy's first leg runs in one launch of
+two workers, one run after another (runner/launch/launcher.launch_in_turn), and every
+resume in a second; a run that fails ends its launch, and the rest go on in a new one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from runner.certify.architectures import TINY
+from runner.config.errors import RunFailed, UserError
+from runner.config.spec import RunSpec
+from runner.launch.launcher import launch_in_turn
+from runner.launch.start import claim, launch_failures, start
+from runner.report.parity import (
+    BF16_GRAD_NORM_RTOL,
+    BF16_LOSS_ATOL,
+    EQUAL_MATH,
+    Tolerance,
+    parity_problems,
+    step_records,
+)
+
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
+PRECISIONS = ("fp32", "bf16")
+STEPS = 12
+CUT = 7  # an odd step, mid-epoch (5 steps an epoch)
+NPROC = 2
+# 40 blocks of 32 tokens at a global batch of 8: 5 steps an epoch, so 12 steps cross two
+# epoch boundaries; the first leg's checkpoint (step 7) sits mid-epoch. A constant rate
+# after warm-up: the first leg, planned for 7 steps, then takes the rates of the 12-step
+# reference (a decaying schedule is planned over max_steps).
+COMMON = ("recipe=gpt2_clm_tiny", "name=certify", "data.block_size=32", "data.max_train_samples=40",
+          "data.max_eval_samples=16", "train.log_every=1", "train.eval_every=0", "schedule=constant",
+          "schedule.warmup_steps=2", "tracking=none", "launch.timeout_minutes=5")
+# bf16 at 2 x 4 sequences is not the reference's math at 1 x 8 even under one policy:
+# autocast rounds each matmul's output to bf16, and another micro-batch shape sums in
+# another order first, so a rounding can flip (measured under ddp, gpt2: loss 2e-4 apart
+# by step 5). Every bf16 cell gets bf16's allowance, as a sweep gives two bf16 policies.
+BF16_LAYOUT = Tolerance(BF16_LOSS_ATOL, BF16_GRAD_NORM_RTOL,
+                        "bf16 in another layout or policy rounds differently from the first step")
+# Saved models of equal math give equal logits but for float rounding: measured up to
+# 6.1e-6 in fp32 after 12 steps over the eleven architectures (largest logit about 1.8),
+# so 1e-4 leaves 16x. bf16's fp32 master weights drift by its rounding of each update:
+# measured up to 7.3e-2 (mixtral), so 0.15; a model that did not train, or loaded other
+# weights, is off by more than 1.
+LOGITS_ATOL = {"fp32": 1e-4, "bf16": 0.15}
+TOLERATED = ("exact", "within bf16 tolerance")  # the verdicts that pass
+
+
+@dataclass
+class Cell:
+    model_type: str
+    precision: str
+    strategy: str
+    run_dir: Path
+    model_dir: Path  # the initial weights
+    verdict: str = ""  # empty while it is still to run
+    detail: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type} {self.strategy} {self.precision}"
+
+
+def save_initial_model(model_type: str, folder: Path) -> None:
+    """The architecture's tiny config, randomly initialised once and saved with
+    save_pretrained: every run starts from these weights (model.name_or_path), as a user's
+    pretrained model would, so a strategy that loads or shards them differently shows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.components.model import build_config
+    from runner.config.spec import ModelSpec
+
+    torch.manual_seed(0)
+    config = build_config(ModelSpec(model_type=model_type, config_overrides=TINY[model_type]))
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
+
+
+def overrides(model_dir: Path, precision: str, strategy: Optional[str]) -> list[str]:
+    """The Hydra overrides of one run: the reference (strategy None) or a strategy's."""
+    layout = ["train.per_device_batch_size=8"] if strategy is None else [
+        f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
+    return [*COMMON, f"model.name_or_path={model_dir}", "model.config_overrides=null", f"precision={precision}",
+            *layout]
+
+
+def compose(run_overrides: Sequence[str]) -> RunSpec:
+    """The launcher's composition (only this process runs Hydra; workers read the frozen spec)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.config.paths import conf_dir
+    from runner.config.spec import to_spec
+    from runner.config.store import register
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return to_spec(hydra_compose("config", overrides=list(run_overrides)))
+
+
+def leg_spec(cell: Cell, resume: bool) -> RunSpec:
+    spec = compose(overrides(cell.model_dir, cell.precision, cell.strategy))
+    spec.train.max_steps = STEPS if resume else CUT
+    spec.train.save_every = CUT
+    spec.resume = "auto" if resume else None
+    return spec
+
+
+def run_reference(model_dir: Path, precision: str, run_dir: Path) -> Optional[str]:
+    """The one-process run every strategy is held to, in this process; why it could not run, else None."""
+    spec = compose(overrides(model_dir, precision, None))
+    spec.train.max_steps = STEPS
+    try:
+        start(spec, run_dir, overwrite=True)
+    except UserError as err:
+        return "refused: " + " ".join(err.problems)
+    except RunFailed as err:
+        return f"failed: {err}"
+    return None
+
+
+def run_leg(cells: list[Cell], resume: bool) -> None:
+    """One leg of every cell still to run, in as few launches as failures allow."""
+    queued: list[tuple[Cell, RunSpec, Path]] = []
+    for cell in cells:
+        spec = leg_spec(cell, resume)
+        try:
+            path = claim(spec, cell.run_dir, overwrite=not resume)
+        except UserError as err:
+            cell.verdict, cell.detail = "refused", list(err.problems)
+            continue
+        assert path is not None, "neither a dry run nor a finished run"
+        queued.append((cell, spec, path))
+    step = STEPS if resume else CUT
+    while queued:  # each failure ends a launch, and the next starts past it: at most one launch a cell
+        try:
+            with launch_failures(queued[0][1], queued[0][0].run_dir):
+                launch_in_turn(queued[0][1], [path for _, _, path in queued])
+            return
+        except RunFailed as err:  # a signal (SystemExit) stops certify itself
+            index = next((i for i, (c, _, _) in enumerate(queued) if not _finished(c.run_dir, step)), None)
+            if index is None:  # every run had finished: the launch failed on its way out; judge them
+                sys.stderr.write(f"runner certify: the launch failed after its last run: {err}\n")
+                return
+            queued[index][0].verdict, queued[index][0].detail = "failed", [str(err)]
+            queued = queued[index + 1:]
+
+
+def _finished(run_dir: Path, step: int) -> bool:
+    results = run_dir / "all_results.json"
+    return results.exists() and int(json.loads(results.read_text()).get("train_steps", step)) >= step
+
+
+def judge(cell: Cell, reference: Path) -> None:
+    """Exact / within tolerance / not exact, from the two runs' metrics and saved models."""
+    tolerance = BF16_LAYOUT if cell.precision == "bf16" else EQUAL_MATH
+    ours, theirs = step_records(cell.run_dir / "metrics.jsonl"), step_records(reference / "metrics.jsonl")
+    problems = parity_problems(theirs, ours, tolerance.loss_atol, tolerance.grad_norm_rtol)
+    if sorted(ours) != list(range(1, STEPS + 1)):
+        problems.append(f"steps logged {sorted(ours)}, not 1-{STEPS} once each")
+    problems += logits_problems(cell.run_dir / "model", reference / "model", LOGITS_ATOL[cell.precision])
+    if problems:
+        cell.verdict, cell.detail = "not exact", problems
+    else:
+        cell.verdict = "exact" if tolerance == EQUAL_MATH else "within bf16 tolerance"
+        cell.detail = [tolerance.describe()]
+
+
+def logits_problems(model_dir: Path, reference_dir: Path, atol: float) -> list[str]:
+    """model/ loads with from_pretrained and gives the reference's logits on one fixed batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        ours = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    except Exception as err:  # whatever from_pretrained says of a bad save
+        return [f"model/ does not load with from_pretrained: {err}"]
+    theirs = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (ours(input_ids=ids).logits - theirs(input_ids=ids).logits).abs().max().item()
+    return [] if gap <= atol else [f"model/'s logits differ from the reference's by up to {gap:.2e} (allowed {atol:g})"]
+
+
+def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Path) -> dict[str, list[Cell]]:
+    rows: dict[str, list[Cell]] = {}
+    references: dict[tuple[str, str], Path] = {}
+    for model_type in model_types:
+        model_dir = work_dir / model_type / "initial_model"
+        save_initial_model(model_type, model_dir)
+        for precision in precisions:
+            reference = work_dir / model_type / precision / "reference"
+            why = run_reference(model_dir, precision, reference)
+            cells = [Cell(model_type, precision, s, work_dir / model_type / precision / s, model_dir)
+                     for s in STRATEGIES]
+            for cell in cells:
+                if why:
+                    cell.verdict, cell.detail = "no reference", [why]
+            rows.setdefault(model_type, []).extend(cells)
+            references[(model_type, precision)] = reference
+    pending = [c for cells in rows.values() for c in cells if not c.verdict]
+    run_leg(pending, resume=False)
+    run_leg([c for c in pending if not c.verdict], resume=True)
+    for cell in pending:
+        if not cell.verdict:
+            judge(cell, references[(cell.model_type, cell.precision)])
+    return rows
+
+
+def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str) -> str:
+    """The matrix as Markdown: a row per architecture, a column per strategy and precision,
+    then each cell's reason where it is not exact."""
+    columns = [(s, p) for p in precisions for s in STRATEGIES]
+    lines = [f"Made by `{command}`.", "",
+             "| architecture | " + " | ".join(f"{s} {p}" for s, p in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    notes = []
+    for model_type, cells in rows.items():
+        by_key = {(c.strategy, c.precision): c for c in cells}
+        lines.append(f"| {model_type} | " + " | ".join(by_key[k].verdict for k in columns) + " |")
+        notes += [f"- {c.name}: {c.verdict}: {'; '.join(c.detail)}" for c in cells if c.verdict not in TOLERATED]
+    if "bf16" in precisions:
+        notes.insert(0, f"- bf16 is held to {BF16_LAYOUT.describe()}: {BF16_LAYOUT.why}.")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="runner certify",
+        description="Certify architectures: each strategy at 2 processes against one process, with a resume "
+                    "and a from_pretrained check. Prints a row per architecture.")
+    parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
+                        help=f"transformers model types with a tiny config here (default: all of {', '.join(TINY)})")
+    parser.add_argument("--precision", default="fp32", help="fp32, bf16, or fp32,bf16 (default fp32)")
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"), help="where the runs go (replaced)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the matrix to this Markdown file")
+    args = parser.parse_args(list(argv))
+    model_types = args.model_types or list(TINY)
+    unknown = [m for m in model_types if m not in TINY]
+    precisions = [p for p in args.precision.split(",") if p]
+    if unknown or not precisions or any(p not in PRECISIONS for p in precisions):
+        raise UserError(
+            (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(TINY)} "
+             "(runner/certify/architectures.py lists them)" if unknown else
+             f"--precision {args.precision}: give fp32, bf16 or fp32,bf16"))
+    rows = certify(model_types, precisions, args.work_dir)
+    shown = ["--precision", args.precision] if precisions != ["fp32"] else []
+    command = " ".join(["runner certify", *args.model_types, *shown])
+    text = render(rows, precisions, command)
+    sys.stdout.write("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+    if any(c.verdict not in (*TOLERATED, "refused") for cells in rows.values() for c in cells):
+        raise SystemExit(1)

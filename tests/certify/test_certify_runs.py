@@ -1,0 +1,50 @@
+"""`runner certify` end to end: the matrix docs/architectures.md publishes is what the
+command prints today, and a strategy that fails mid-launch is named while the others
+still run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import patch_train_step
+
+pytestmark = [pytest.mark.multiprocess]
+
+PAGE = Path(__file__).parent.parent.parent / "docs" / "architectures.md"
+BLOCK = re.compile(r"<!-- certify:begin -->\n(.*?)<!-- certify:end -->", re.S)
+
+
+def certify(*args: str, env: dict[str, str] | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", "certify", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(1800)  # eleven architectures x four strategies, two legs each, beside another xdist worker
+def test_the_published_matrix_is_what_the_command_prints(tmp_path):
+    out = tmp_path / "matrix.md"
+    done = certify("--work-dir", str(tmp_path / "runs"), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    published = BLOCK.search(PAGE.read_text())
+    assert published, "docs/architectures.md has no certify block"
+    assert out.read_text() == published.group(1), (
+        "docs/architectures.md's matrix is not what `runner certify` prints now; paste this between its markers:\n"
+        + out.read_text())
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "architecture" not in line]
+    assert len(rows) >= 8 and any(row.startswith("| mixtral |") for row in rows)
+
+
+def test_a_strategy_that_fails_is_named_and_the_others_still_run(tmp_path):
+    """zero2's rank 1 crashes at step 3 of its first leg: that launch ends there; zero3
+    and fsdp run in the next one, ddp's run before it stands, and the resumes follow."""
+    env = patch_train_step(tmp_path, 'self.run_dir.name == "zero2" and os.environ.get("RANK") == "1" '
+                                     'and self.state.step >= 2', 'raise RuntimeError("injected at step 3")')
+    done = certify("gpt2", "--work-dir", str(tmp_path / "runs"), env=env, timeout=900)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| gpt2 | exact | failed | exact | exact |" in done.stdout
+    named = re.search(r"- gpt2 zero2 fp32: failed: worker rank 1 failed: .*injected at step 3", done.stdout)
+    assert named, done.stdout[-2000:]

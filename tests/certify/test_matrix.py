@@ -1,0 +1,98 @@
+"""runner certify's verdicts, from run folders made here (no training): what makes a
+cell exact, and each way it is not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from runner.certify.matrix import STEPS, STRATEGIES, Cell, judge, render
+
+
+def _run_folder(path: Path, model: GPT2LMHeadModel, losses: dict[int, float], norms: dict[int, float]) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": losses[s], "grad_norm": norms[s]}) + "\n" for s in sorted(losses)))
+    model.save_pretrained(path / "model")
+    return path
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> tuple[Path, GPT2LMHeadModel, dict, dict]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=32, vocab_size=100))
+    losses = {s: 4.0 - 0.1 * s for s in range(1, STEPS + 1)}
+    norms = {s: 2.0 + 0.01 * s for s in range(1, STEPS + 1)}
+    return _run_folder(tmp_path / "reference", model, losses, norms), model, losses, norms
+
+
+def _cell(tmp_path: Path) -> Cell:
+    return Cell("gpt2", "fp32", "zero2", tmp_path / "zero2", tmp_path / "initial_model")
+
+
+def test_equal_steps_and_an_equal_saved_model_are_exact(tmp_path, reference):
+    ref, model, losses, norms = reference
+    cell = _cell(tmp_path)
+    _run_folder(cell.run_dir, model, {s: v + 5e-5 for s, v in losses.items()}, norms)
+    judge(cell, ref)
+    assert cell.verdict == "exact", cell.detail
+
+
+def test_a_gradient_norm_one_percent_off_is_not_exact_and_names_the_step(tmp_path, reference):
+    ref, model, losses, norms = reference
+    cell = _cell(tmp_path)
+    _run_folder(cell.run_dir, model, losses, {s: v * (1.01 if s == 8 else 1) for s, v in norms.items()})
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and "step 8" in " ".join(cell.detail), cell.detail
+
+
+def test_a_step_the_resume_lost_is_not_exact(tmp_path, reference):
+    ref, model, losses, norms = reference
+    cell = _cell(tmp_path)
+    _run_folder(cell.run_dir, model, {s: v for s, v in losses.items() if s != 8}, norms)
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("not 1-12 once each" in d for d in cell.detail), cell.detail
+
+
+def test_a_saved_model_with_other_weights_is_not_exact(tmp_path, reference):
+    ref, model, losses, norms = reference
+    cell = _cell(tmp_path)
+    other = GPT2LMHeadModel(model.config)
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.1)  # tied to the embedding: every logit moves
+    _run_folder(cell.run_dir, other, losses, norms)
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("logits differ" in d for d in cell.detail), cell.detail
+
+
+def test_a_model_that_does_not_load_is_not_exact(tmp_path, reference):
+    ref, model, losses, norms = reference
+    cell = _cell(tmp_path)
+    _run_folder(cell.run_dir, model, losses, norms)
+    (cell.run_dir / "model" / "model.safetensors").write_bytes(b"truncated")
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("does not load with from_pretrained" in d for d in cell.detail)
+
+
+def test_the_matrix_has_a_row_per_architecture_and_says_why_a_cell_is_not_exact(tmp_path):
+    cells = [Cell("llama", "fp32", s, tmp_path, tmp_path, "exact") for s in STRATEGIES]
+    cells[3].verdict, cells[3].detail = "refused", ["LlamaForCausalLM names no layer class to wrap"]
+    text = render({"llama": cells}, ["fp32"], "runner certify llama")
+    assert "| llama | exact | exact | exact | refused |" in text
+    assert "- llama fsdp fp32: refused: LlamaForCausalLM names no layer class to wrap" in text
+    assert text.startswith("Made by `runner certify llama`.")
+
+
+def test_an_unknown_architecture_is_one_line_naming_those_it_knows(capsys):
+    from runner.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["certify", "bert"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "no tiny config for model type(s) bert" in err and "llama" in err
