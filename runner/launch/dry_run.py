@@ -35,7 +35,7 @@ def model_shape(spec: RunSpec) -> ModelShape:
 
 
 def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False,
-             offload_params: bool = False) -> MemoryEstimate:
+                 offload_params: bool = False) -> MemoryEstimate:
     """Per-rank memory of this model under one strategy."""
     return estimate_memory(shape.parameters, strategy, precision, world_size, offload_optimizer, offload_params,
                            hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
