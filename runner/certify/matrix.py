@@ -257,7 +257,8 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
                         help=f"transformers model types with a tiny config here (default: all of {', '.join(TINY)})")
     parser.add_argument("--precision", default="fp32", help="fp32, bf16, or fp32,bf16 (default fp32)")
-    parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"), help="where the runs go (replaced)")
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"),
+                        help="where the runs go (default outputs/certify); a run folder there is overwritten")
     parser.add_argument("--out", type=Path, default=None, help="also write the matrix to this Markdown file")
     args = parser.parse_args(list(argv))
     model_types = args.model_types or list(TINY)
