@@ -64,21 +64,23 @@ def estimate_mb(run_dir: Path) -> float:
     return est.device_total / 2**20
 
 
-def _train(strategy: str, run_dir: Path, env: dict[str, str] | None = None) -> None:
+def _train(strategy: str, run_dir: Path, env: dict[str, str] | None = None, settings: list[str] | None = None) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runner", *RUN, *EXTRA, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "runner", *(RUN + EXTRA if settings is None else settings), f"strategy={strategy}",
+         f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env={**os.environ, **(env or {})},
     )
     if done.returncode != 0:
         raise SystemExit(f"{strategy} failed:\n{done.stderr[-3000:]}")
 
 
-def tensor_peak_mb(strategy: str, root: Path) -> list[float]:
+def tensor_peak_mb(strategy: str, root: Path, settings: list[str] | None = None) -> list[float]:
     """Each rank's peak of live tensors in its second step, from a second, profiled run
-    (bench/tensor_peak: the profiler's own memory would distort the first run's RSS)."""
+    (bench/tensor_peak: the profiler's own memory would distort the first run's RSS).
+    `settings`: the run's command line (default: this script's)."""
     run_dir, out = root / f"{strategy}-profiled", root / f"{strategy}-tensor-peak"
     path = os.pathsep.join(filter(None, [str(TENSOR_PEAK_HOOK), os.environ.get("PYTHONPATH", "")]))
-    _train(strategy, run_dir, {"PYTHONPATH": path, "RUNNER_BENCH_TENSOR_PEAK": str(out)})
+    _train(strategy, run_dir, {"PYTHONPATH": path, "RUNNER_BENCH_TENSOR_PEAK": str(out)}, settings)
     return [json.loads((out / f"rank{r}.json").read_text())["peak_mb"] for r in (0, 1)]
 
 

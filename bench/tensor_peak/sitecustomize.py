@@ -21,6 +21,7 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
     import runner.train.worker as _worker
 
     _PROFILED_STEP = 2
+    _MARKER = "runner_bench_profiled_step"
     _state: dict = {}
     _plain_train, _plain_step = _worker.train, _trainer.Trainer.train_step
 
@@ -32,24 +33,29 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
         return _plain_train(spec)
 
     def _step(self, batch):  # type: ignore[no-untyped-def]
-        import time
+        import torch
 
         if self.state.step + 1 != _PROFILED_STEP or "prof" not in _state:
             return _plain_step(self, batch)
-        start_us = time.time_ns() // 1000
-        done = _plain_step(self, batch)
-        end_us = time.time_ns() // 1000
+        # The step's window in the clock the allocation events carry: a marker event
+        # around it, not this process's wall clock.
+        with torch.profiler.record_function(_MARKER):
+            done = _plain_step(self, batch)
         prof = _state.pop("prof")
         prof.__exit__(None, None, None)
         from torch._C._profiler import _EventType
 
-        peak, pending = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+        events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
         while pending:
             event = pending.pop()
             pending.extend(event.children)
+            events.append(event)
+        marker = next(e for e in events if e.name == _MARKER)
+        start_ns, end_ns = marker.start_time_ns, marker.end_time_ns
+        peak = 0
+        for event in events:
             if event.typed[0] == _EventType.Allocation and str(event.typed[1].device) == "cpu":
-                when_us = event.start_time_ns // 1000
-                if start_us <= when_us <= end_us:
+                if start_ns <= event.start_time_ns <= end_ns:
                     peak = max(peak, event.typed[1].total_allocated)
         out = Path(os.environ["RUNNER_BENCH_TENSOR_PEAK"])
         out.mkdir(parents=True, exist_ok=True)

@@ -157,8 +157,11 @@ class ScheduleSpec:
 
 @dataclass
 class TrainSpec:
-    per_device_batch_size: int = 8
-    """Sequences per device per micro-batch."""
+    per_device_batch_size: Any = 8
+    """Sequences per device per micro-batch, or auto: the largest micro-batch that fits
+    (the plan proposes it, a two-step probe run confirms it), with train.global_batch_size
+    kept and the accumulation derived from it. The frozen run_spec.yaml holds the number
+    chosen. (Any, not int: OmegaConf has no int-or-"auto" type; config/validate.py checks it.)"""
     per_device_eval_batch_size: Optional[int] = None
     """null: same as per_device_batch_size."""
     grad_accum_steps: int = 1
@@ -219,6 +222,14 @@ class LaunchSpec:
     worker's resident memory stays near its peak. false: every freed block above 128 KiB goes
     back to the OS at once (glibc's thresholds fixed, not adaptive), so resident memory follows
     what the worker holds; use it to compare strategies' memory on a CPU."""
+    device_memory: Optional[str] = None
+    """The memory each rank has, for the fit check and the plan: a GPU's name (A40, H100,
+    A100-40GB) or a size (80GB, 48GiB). null: this machine's GPU, or on a CPU the host memory
+    available shared by this node's ranks. `dry_run=true launch.device_memory=A40
+    launch.nproc_per_node=8` plans a run for hardware you do not have."""
+    check_fit: bool = True
+    """Refuse, before any worker starts, a run whose predicted peak per rank exceeds that
+    memory (the message names the micro-batch and accumulation that fit). false: start anyway."""
 
 
 @dataclass
@@ -299,6 +310,9 @@ class RunSpec:
     there is none, and it says so); PATH: continue from that checkpoint; null: start fresh."""
     run_dir: str = ""
     """Set by the launcher: the run folder (hydra.run.dir). Not for users to set."""
+    probe: bool = False
+    """Set by the launcher for train.per_device_batch_size=auto's probe run: train its steps,
+    log their metrics, save nothing (no checkpoint, model/ or results). Not for users to set."""
 
 
 # The group options under conf/ are merged into these nodes; the root schema is

@@ -26,7 +26,10 @@ def _positive(problems: list[str], value: object, key: str, allow_zero: bool = F
 def check_numbers(spec: RunSpec) -> list[str]:
     p: list[str] = []
     t = spec.train
-    _positive(p, t.per_device_batch_size, "train.per_device_batch_size")
+    b = t.per_device_batch_size  # a whole number or auto (settled by the launcher, runner/launch/auto_batch.py)
+    if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+        p.append(f"train.per_device_batch_size={b} must be a whole number > 0 or auto. "
+                 "Set train.per_device_batch_size=<a number > 0> or train.per_device_batch_size=auto.")
     _positive(p, t.per_device_eval_batch_size, "train.per_device_eval_batch_size")
     _positive(p, t.grad_accum_steps, "train.grad_accum_steps")
     _positive(p, t.max_steps, "train.max_steps")

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from runner.components.data import PreparedData
 from runner.components.model import build_config, count_parameters, layer_parameters
-from runner.config.spec import OffloadDevice, RunSpec, spec_to_yaml
+from runner.config.spec import RunSpec, spec_to_yaml
+from runner.launch.fit import Budget, Planner, verdict_lines
 from runner.report.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate, estimate_memory
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
 
@@ -42,14 +43,8 @@ def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: i
                            layer_parameters=shape.layer_parameters)
 
 
-def estimates(shape: ModelShape, precision: str, world_size: int) -> dict[str, MemoryEstimate]:
-    """Per-rank memory under each compared strategy (no offload), as the dry run prints
-    it and bench/strategy_memory.py sets it beside what it measures."""
-    return {s: estimate_for(shape, s, precision, world_size) for s in COMPARED_STRATEGIES}
-
-
-def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
-    shape = model_shape(spec)
+def report(spec: RunSpec, data: PreparedData, world_size: int, planner: Planner, room: Budget) -> str:
+    shape = planner.shape
     plan = plan_run(
         spec,
         world_size,
@@ -61,18 +56,16 @@ def report(spec: RunSpec, data: PreparedData, world_size: int) -> str:
         precision=spec.precision.kind.value,
         device="cuda" if torch.cuda.is_available() else "cpu",
     )
-    offload_opt = spec.strategy.offload_optimizer is OffloadDevice.cpu
-    offload_par = spec.strategy.offload_params is OffloadDevice.cpu
-    mine = estimate_for(shape, plan.strategy, plan.precision, world_size, offload_opt, offload_par)
-    comparison = estimates(shape, plan.precision, world_size)
-    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, mine, comparison)}"
+    mine = planner.estimate(plan.strategy)
+    lines = verdict_lines(planner, COMPARED_STRATEGIES, room)
+    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, mine)}\n" + "\n".join(lines)
 
 
 def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
 
 
-def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str, MemoryEstimate]) -> str:
+def dry_run_report(plan: RunPlan, estimate: MemoryEstimate) -> str:
     p = plan
     lines = [
         "runner: dry run (nothing trained, no run folder written)",
@@ -85,14 +78,14 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, comparison: dict[str
         f"  tokens          {p.total_steps * p.tokens_per_step:,}",
         f"  parameters      {p.parameters:,}",
         f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
-        "  memory per rank (model states; activations come on top):",
+        f"  memory per rank at its peak ({p.strategy}, micro-batch {p.per_device_batch_size} x {p.block_size} tokens):",
         f"    parameters    {_gib(estimate.params)}",
         f"    gradients     {_gib(estimate.grads)}",
         f"    optimizer     {_gib(estimate.optimizer)}",
         f"    buffers       {_gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered root and layers)",
-        f"    total         {_gib(estimate.device_total)}"
+        f"    activations   {_gib(estimate.activations)}  (one micro-batch traced on fake tensors, with the gradients "
+        "backward holds beside them)",
+        f"    peak          {_gib(estimate.device_total)}"
         + (f"  (+ {_gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
-        "  per rank under each strategy: "
-        + " | ".join(f"{name} {_gib(est.device_total)}" for name, est in comparison.items()),
     ]
     return "\n".join(lines)

@@ -22,7 +22,8 @@ from runner.config.validate import check_launch
 from runner.distributed.process_group import slurm_node_launch
 from runner.distributed.world import world_size
 from runner.launch.accelerate_config import apply_accelerate_config
-from runner.launch.dry_run import report
+from runner.launch import auto_batch, fit
+from runner.launch.dry_run import model_shape, report
 from runner.launch.launcher import launch
 from runner.launch.preflight import prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
@@ -78,15 +79,26 @@ def claim(
     # After the accelerate-config and Slurm settings above; a bad launch.* value is
     # reported by validate with everything else, not met here as a traceback.
     world = world_size(spec.launch) if not check_launch(spec) else None
+    auto = auto_batch.is_auto(spec)
+    if auto:  # settled below, once the data's block size is known; 1 until then
+        auto_batch.check_request(spec, world)
+        spec.train.per_device_batch_size = 1
     if world is not None:  # train.global_batch_size decides the accumulation at this world size
         spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
     validate(spec, world)
     data = prepare_data(spec)
+    planner = fit.Planner(spec, data.block_size, world, model_shape(spec))
+    room = fit.budget(spec, world)
     if spec.dry_run:
-        print(report(spec, data, world))
+        if auto:
+            print(f"runner: dry run: {auto_batch.propose(spec, planner, room, world)}")
+        print(report(spec, data, world, planner, room))
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
         return None
+    if auto:
+        sys.stderr.write(f"runner: {auto_batch.choose(spec, planner, room, world, launch)}\n")
+    fit.check_fit(spec, planner, room)
     if spec.launch.nnodes > 1 and not run_dir_chosen:
         raise UserError(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol
 
 from runner.distributed.deepspeed import GPT2_LAYER_WEIGHTS, zero_sizes
 
@@ -27,10 +27,65 @@ class MemoryEstimate:
     optimizer: float
     offloaded: float  # moved to host memory by the offload options
     buffers: float = 0.0  # DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered units
+    # One micro-batch's activations, with the gradients backward holds alongside them at
+    # their peak beyond `grads_at_rest` (with_activations); 0 when not traced.
+    activations: float = 0.0
+    grads_at_rest: Optional[float] = None  # gradients held before backward starts; None: all of `grads`
+
+    @property
+    def states_total(self) -> float:
+        """Parameters, gradients, optimizer state and buffers: the model's states alone."""
+        return self.params + self.grads + self.optimizer + self.buffers
 
     @property
     def device_total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers
+        """The rank's peak: the states, and at backward's peak the activations beside the
+        gradients held then, whichever is more (the optimizer step holds every gradient
+        and no activation)."""
+        at_rest = self.grads if self.grads_at_rest is None else self.grads_at_rest
+        return self.params + self.optimizer + self.buffers + max(self.grads, at_rest + self.activations)
+
+
+class Traced(Protocol):
+    """One micro-batch's forward and backward traced (runner.components.step_trace.StepTrace)."""
+
+    grad_bytes: int
+    largest_parameter: int
+
+    def peak_with_gradients(self, gradient_share: float, unreduced: float = 0.0) -> float: ...
+
+
+def with_activations(estimate: MemoryEstimate, traced: Traced, strategy: str, world_size: int,
+                     grad_accum_steps: int = 1) -> MemoryEstimate:
+    """The estimate with a traced micro-batch's activations on top, and the gradients
+    each strategy keeps while backward runs:
+
+    - ddp: every gradient stays where backward writes it (its buckets are a second copy,
+      in `buffers`);
+    - zero2 / zero3: DeepSpeed reduces each gradient with its bucket (in `buffers`), but
+      a parameter larger than the bucket (the output head, the embedding) waits at full
+      size; zero2 keeps its gradient partition throughout, zero3 (runner's deferred
+      partition, runner/distributed/deepspeed.py) only from the end of backward;
+    - fsdp: each layer's gradients are reduce-scattered into fp32 shards as backward
+      leaves it (the unsharded layer is in `buffers`); the root's (embeddings, output
+      head) wait at full size for the end of backward.
+
+    With accumulation, the gradients of the window's first micro-batch are all held while
+    the next one runs."""
+    w = max(world_size, 1)
+    largest = float(traced.largest_parameter * traced.grad_bytes)
+    unreduced = 0.0 if grad_accum_steps > 1 or strategy == "ddp" or not estimate.grads else largest
+    if grad_accum_steps > 1:
+        at_rest, share = estimate.grads, 0.0
+    elif strategy == "ddp":
+        at_rest, share = 0.0, 1.0
+    elif strategy == "fsdp":
+        at_rest, share = 0.0, (4.0 / traced.grad_bytes) / w if estimate.grads else 0.0
+    elif strategy == "zero2":
+        at_rest, share = estimate.grads, 0.0
+    else:
+        at_rest, share = 0.0, 0.0
+    return replace(estimate, activations=float(traced.peak_with_gradients(share, unreduced)), grads_at_rest=at_rest)
 
 
 def _layer(hidden_size: int, layer_parameters: Optional[int]) -> float:

@@ -39,6 +39,7 @@ HARMLESS = (
     "train.keep_checkpoints", "train.per_device_eval_batch_size", "train.dataloader_num_workers",
     "data.max_eval_samples", "data.cache_dir",
     "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank", "overwrite", "resume", "run_dir", "name",
+    "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
     "sweep.parity_baseline", "sweep.retry_failed",
     "train.deterministic",  # only which GPU kernels run: the same math, summed in a fixed order
 )

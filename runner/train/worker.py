@@ -67,6 +67,9 @@ from runner.train.rng import loader_generator, seed_training_stream
 from runner.train.signals import EXIT_CODES, Stopped
 from runner.train.trainer import NonFiniteLoss, Trainer
 
+# train.per_device_batch_size=auto's probe run writes its ranks' memory here (runner/launch/auto_batch.py).
+PROBE_FILENAME = "probe_memory.json"
+
 log = logging.getLogger("runner")
 
 
@@ -141,6 +144,14 @@ def train(spec: RunSpec) -> dict[str, Any]:
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
     train_results, eval_results = fit(spec, accelerator, trainer, run_dir)
+    if spec.probe:  # train.per_device_batch_size=auto's probe: its memory is all it leaves
+        peaks, befores = memory_per_rank(accelerator, before_model_mb)
+        if accelerator.is_main_process:
+            (run_dir / PROBE_FILENAME).write_text(json.dumps(
+                {"peak_memory_mb_per_rank": peaks, "host_memory_before_model_mb_per_rank": befores,
+                 "device": accelerator.device.type}))
+        _close(accelerator)
+        return {}
     return finish(spec, strategy, accelerator, trainer, model, built.tokenizer, data, run_dir, before_model_mb,
                   train_results, eval_results)
 
@@ -291,9 +302,8 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     fingerprints = rank_fingerprints(accelerator, model, strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
-    memory = accelerator.gather(torch.tensor([[peak_memory_mb(accelerator.device), before_model_mb]], device=accelerator.device))
-    train_results["peak_memory_mb_per_rank"] = [round(float(v), 1) for v in memory[:, 0].cpu()]
-    train_results["host_memory_before_model_mb_per_rank"] = [round(float(v), 1) for v in memory[:, 1].cpu()]
+    peaks, befores = memory_per_rank(accelerator, before_model_mb)
+    train_results["peak_memory_mb_per_rank"], train_results["host_memory_before_model_mb_per_rank"] = peaks, befores
     train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
     if spec.train.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable
@@ -309,6 +319,13 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     # it and stops the other ranks, which may be stuck in a collective.
     _close(accelerator)
     return results
+
+
+def memory_per_rank(accelerator: Accelerator, before_model_mb: float) -> tuple[list[float], list[float]]:
+    """Every rank's peak memory (CUDA max reserved on a GPU, peak RSS on a CPU) and the host
+    memory it held before building the model, in MB, gathered (a collective: all ranks call it)."""
+    memory = accelerator.gather(torch.tensor([[peak_memory_mb(accelerator.device), before_model_mb]], device=accelerator.device))
+    return [round(float(v), 1) for v in memory[:, 0].cpu()], [round(float(v), 1) for v in memory[:, 1].cpu()]
 
 
 def save_outputs(strategy: Strategy, accelerator: Accelerator, model: Any, tokenizer: Any, run_dir: Path) -> Path:

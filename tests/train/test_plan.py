@@ -1,6 +1,7 @@
 """Batch arithmetic, the dry-run plan and its memory estimate."""
 
 import math
+import re
 
 import pytest
 
@@ -86,8 +87,13 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "tokens/step     4,096 = 32 x 128" in out
     assert f"epochs of {per_epoch:,} steps over {blocks:,} blocks" in out
     assert "parameters      3,324,736" in out
-    assert "ddp 63.4 MiB | zero2 " in out and "zero3 " in out  # 3,324,736 x 20 bytes
-    assert "buffers       " in out
+    assert "buffers       " in out and "activations   " in out
+    # each strategy's verdict on this machine's host memory, at the same global batch
+    assert re.search(r"fits on this machine's host memory \([\d.]+ GiB available, 2 rank\(s\)\)\? per rank, "
+                     r"global batch 32 kept:", out)
+    for strategy in ("ddp", "zero2", "zero3", "fsdp"):
+        assert re.search(rf"\n    {strategy} +peak +[\d.,]+ MiB  fits, [\d.,]+ GiB headroom; largest micro-batch 16 x 1 "
+                         "accumulation", out), out
     assert not run_dir.exists()
 
 

@@ -1,0 +1,117 @@
+"""One micro-batch's forward and backward traced on fake tensors: the bytes of activations
+and gradients alive at every allocation, for the memory plan (`dry_run=true`, the fit
+check, `train.per_device_batch_size=auto`).
+
+PyTorch's own tools do the work: the model is built and run under `FakeTensorMode`
+(shapes, dtypes and devices, no data and no memory, so a 7B config traces on a laptop),
+and `torch.distributed._tools.mem_tracker.MemTracker` classifies every live storage as a
+parameter, a gradient, an activation or a temporary. What the trace cannot see is a
+strategy's sharding and its buffers; runner.report.memory_estimate adds those to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from runner.config.spec import ModelSpec
+
+
+class Numerics(str, Enum):
+    """How a strategy computes under a precision, which decides the activations' dtypes."""
+
+    fp32 = "fp32"
+    autocast = "autocast"  # fp32 weights under autocast (ddp): autocast also caches a low-precision copy of each weight
+    half_autocast = "half_autocast"  # low-precision weights under autocast (fsdp's MixedPrecisionPolicy gathers them so)
+    half = "half"  # low-precision weights, no autocast (DeepSpeed ZeRO with bf16/fp16)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """Bytes alive during one traced micro-batch (forward, loss, backward), by kind.
+
+    `samples`: (activations and temporaries, parameter gradients) after every operator,
+    in order. Gradients are what backward has written into `.grad` so far, at the trace's
+    gradient dtype (`grad_bytes` a parameter)."""
+
+    parameters: int
+    grad_bytes: int
+    samples: tuple[tuple[int, int], ...]
+    seconds: float
+    largest_parameter: int = 0  # elements of the model's largest parameter (an embedding or output head)
+
+    @property
+    def activation_peak(self) -> int:
+        return max((a for a, _ in self.samples), default=0)
+
+    def peak_with_gradients(self, gradient_share: float, unreduced: float = 0.0) -> float:
+        """The most ever alive of activations, plus `gradient_share` of the gradients written
+        by then (1: every gradient stays, as under DDP; 1/world: the fp32 shards FSDP keeps),
+        plus up to `unreduced` bytes of them still at full size, waiting for their
+        reduction (a sharded strategy's output head, written first in backward and reduced
+        with the root or its bucket)."""
+        return max((a + gradient_share * g + min(g, unreduced) for a, g in self.samples), default=0.0)
+
+
+def _low_precision(precision: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
+               numerics: Numerics) -> StepTrace:
+    """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
+    run would build (its config, attention implementation, dropout and gradient
+    checkpointing), in train mode, under `numerics`."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    low = _low_precision(precision)
+    kwargs: dict[str, Any] = {}
+    if spec.attn_implementation is not None:
+        kwargs["attn_implementation"] = spec.attn_implementation.value
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        # Fake tensors cannot run the eager experts' data-dependent routing (nonzero), and the
+        # grouped matmul's fake kernel takes bf16 only: batched_mm has the same shapes.
+        kwargs["experts_implementation"] = "batched_mm"
+    samples: list[tuple[int, int]] = []
+
+    class Tracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:  # called after every operator
+            # MemTracker's own per-module peaks are not used: they cost a pass over every
+            # module per operator (most of a 7B trace's time).
+            snap = self._curr_mem_snap.get(torch.device("cpu"), {})
+            total = snap.get("Total", 0)
+            grads = snap.get(_MemRefType.GRAD, 0)
+            samples.append((total - snap.get(_MemRefType.PARAM, 0) - grads - snap.get(_MemRefType.BUFFER, 0), grads))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if numerics in (Numerics.half, Numerics.half_autocast) and low is not None:
+            kwargs["dtype"] = low
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+        if spec.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+            model.config.use_cache = False
+        model.train()
+        parameters = sum(p.numel() for p in model.parameters())
+        largest = max(p.numel() for p in model.parameters())
+        grad_bytes = next(model.parameters()).element_size()
+        ids = torch.zeros(micro_batch, block_size, dtype=torch.long)
+        tracker = Tracker()
+        tracker.track_external(model)
+        autocast = (torch.autocast("cpu", dtype=low) if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast)
+                    else contextlib.nullcontext())
+        with tracker:
+            with autocast:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+    return StepTrace(parameters, grad_bytes, tuple(samples), time.perf_counter() - start, largest)

@@ -1,0 +1,64 @@
+"""One micro-batch traced on fake tensors: activations by what the run would compute."""
+
+import pytest
+from transformers import GPT2Config, LlamaConfig, MixtralConfig
+
+from runner.components.step_trace import Numerics, trace_step
+from runner.config.spec import ModelSpec
+
+GPT2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128)
+# grouped-query attention and a gated MLP
+LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, vocab_size=50257)
+
+
+def act(config, micro_batch=4, block=64, how=Numerics.fp32, checkpointing=False, precision="fp32"):
+    spec = ModelSpec(gradient_checkpointing=checkpointing)
+    return trace_step(spec, config, micro_batch, block, precision, how)
+
+
+def test_activations_grow_with_the_micro_batch_and_the_logits_are_counted():
+    one, four = act(GPT2, 1), act(GPT2, 4)
+    assert 3.5 < four.activation_peak / one.activation_peak < 4.1
+    # at least the fp32 logits of the micro-batch (4 x 64 tokens x 50,257)
+    assert four.activation_peak > 4 * 64 * 50257 * 4
+
+
+def test_gradient_checkpointing_keeps_fewer_activations():
+    deep = GPT2Config(n_embd=64, n_layer=8, n_head=4, n_positions=128, vocab_size=512)
+    plain, checkpointed = act(deep, 8, 128), act(deep, 8, 128, checkpointing=True)
+    assert checkpointed.activation_peak < 0.6 * plain.activation_peak
+
+
+def test_low_precision_weights_halve_the_layers_activations_and_gradients():
+    # a small vocabulary: the layers dominate (the loss upcasts the logits to fp32 whatever the weights)
+    small = LlamaConfig(**{**LLAMA.to_dict(), "vocab_size": 512})
+    full, half = act(small), act(small, how=Numerics.half, precision="bf16")
+    assert half.grad_bytes == 2 and full.grad_bytes == 4
+    assert 0.4 < half.activation_peak / full.activation_peak < 0.75
+
+
+def test_autocast_over_fp32_weights_also_holds_their_low_precision_copies():
+    weights = LLAMA.hidden_size * LLAMA.vocab_size  # the largest matrix the autocast caches a copy of
+    autocast = act(LLAMA, how=Numerics.autocast, precision="bf16")
+    assert autocast.grad_bytes == 4  # gradients of fp32 weights
+    assert autocast.activation_peak > act(LLAMA, how=Numerics.half_autocast, precision="bf16").activation_peak + weights
+
+
+def test_the_gradients_backward_writes_are_sampled_beside_the_activations():
+    trace = act(LLAMA)
+    assert trace.samples[-1][1] == 4 * trace.parameters  # every gradient written by the end
+    assert trace.peak_with_gradients(1.0) >= trace.peak_with_gradients(0.0) == trace.activation_peak
+
+
+def test_a_mixture_of_experts_traces():
+    moe = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512)
+    assert act(moe).activation_peak > 0
+    assert getattr(moe, "experts_implementation", None) in (None, "eager", "grouped_mm")  # the config is left alone
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_a_trace_holds_no_memory(config):
+    # 64 x 128 tokens of fp32 logits over 50,257 words alone are 1.6 GB, which this process never holds
+    assert act(config, 64, 128).activation_peak > 2**30

@@ -1,0 +1,157 @@
+"""Will it fit: the budget a rank has, the peak each strategy needs, the largest micro-batch
+that keeps the global batch, and the one-line refusal."""
+
+import pytest
+
+from runner.config.errors import UserError
+from runner.launch import fit
+from runner.launch.dry_run import model_shape
+from runner.report.memory_estimate import MemoryEstimate, with_activations
+
+TINY = ["recipe=gpt2_clm_tiny", "model.config_overrides='n_embd=64,n_layer=2,n_head=4,n_positions=128'"]
+
+
+def test_device_memory_names_a_gpu_or_a_size():
+    assert fit.parse_device_memory("A40") == (44.4 * 2**30, True)
+    assert fit.parse_device_memory("h100") == (79.2 * 2**30, True)
+    assert fit.parse_device_memory("A100-40GB") == (39.4 * 2**30, True)
+    assert fit.parse_device_memory("80GB") == (80e9, False)
+    assert fit.parse_device_memory("48GiB") == (48 * 2**30, False)
+    assert fit.parse_device_memory("24") == (24 * 2**30, False)  # no unit: GiB
+    with pytest.raises(UserError, match="neither a GPU .* nor a size such as 80GB"):
+        fit.parse_device_memory("A4O")
+
+
+def test_the_budget_is_the_named_gpu_less_its_reserve(compose_spec):
+    spec = compose_spec(*TINY, "launch.device_memory=A40", "launch.nproc_per_node=8")
+    room = fit.budget(spec, 8)
+    assert room.gpu and room.bytes_per_rank == 44.4 * 2**30 - fit.GPU_RESERVE_BYTES
+    assert room.described.startswith("8 x A40 (44.4 GiB each")
+
+
+def test_without_a_name_the_budget_is_this_machines_gpu(compose_spec, monkeypatch):
+    """Contract for a GPU node: the smallest visible GPU, queried through torch.cuda."""
+    import torch
+
+    class Props:
+        def __init__(self, total):
+            self.total_memory = total
+
+    sizes = [80 * 2**30, 40 * 2**30]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props(sizes[i]))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    room = fit.budget(compose_spec(*TINY), 2)
+    assert room.gpu and room.bytes_per_rank == 40 * 2**30 - fit.GPU_RESERVE_BYTES
+    assert "NVIDIA A100" in room.described
+
+
+def test_on_a_cpu_the_ranks_share_the_host_memory_available(compose_spec, monkeypatch):
+    monkeypatch.setattr(fit, "_host_available", lambda: 12 * 2**30)
+    room = fit.budget(compose_spec(*TINY, "launch.nproc_per_node=2"), 2)
+    assert not room.gpu and room.bytes_per_rank == 6 * 2**30
+
+
+class Trace:
+    """A traced micro-batch by hand: activations rise to 100 then fall as gradients (of 4-byte
+    parameters) arrive, up to 40."""
+
+    grad_bytes = 4
+    largest_parameter = 5  # 20 bytes of gradient
+    samples = ((50, 0), (100, 0), (80, 10), (40, 30), (0, 40))
+
+    def peak_with_gradients(self, share, unreduced=0.0):
+        return max(a + share * g + min(g, unreduced) for a, g in self.samples)
+
+
+STATES = MemoryEstimate(params=400.0, grads=40.0, optimizer=800.0, offloaded=0.0, buffers=40.0)
+
+
+def test_each_strategy_holds_its_own_gradients_beside_the_activations():
+    ddp = with_activations(STATES, Trace(), "ddp", 2)
+    assert ddp.activations == 100 and ddp.device_total == 400 + 800 + 40 + 100  # 80 + 10 < 100
+    # an fp32 gradient shard per rank as backward leaves each layer
+    fsdp = with_activations(STATES, Trace(), "fsdp", 2)
+    assert fsdp.activations == 100 and fsdp.grads_at_rest == 0
+    zero2 = with_activations(STATES, Trace(), "zero2", 2)
+    assert zero2.device_total == 400 + 800 + 40 + 40 + 100  # its gradient partition stays
+    zero3 = with_activations(STATES, Trace(), "zero3", 2)
+    assert zero3.device_total == 400 + 800 + 40 + 100  # runner's deferred partition: allocated after backward
+    # accumulation: the window's first micro-batch left every gradient in place
+    accumulating = with_activations(STATES, Trace(), "ddp", 2, grad_accum_steps=4)
+    assert accumulating.device_total == 400 + 800 + 40 + 40 + 100
+    # the optimizer step (every gradient, no activation) is the peak when activations are small
+    small = with_activations(MemoryEstimate(400.0, 500.0, 800.0, 0.0, 40.0), Trace(), "zero3", 2)
+    assert small.device_total == 400 + 800 + 40 + 500
+
+
+def test_ddps_gradients_count_when_they_outlast_the_activations():
+    class Late(Trace):
+        samples = ((100, 0), (90, 40))
+
+    assert with_activations(STATES, Late(), "ddp", 2).activations == 130
+    # sharded: the largest parameter's gradient (20 bytes) waits at full size for its reduction
+    assert with_activations(STATES, Late(), "zero3", 2).activations == 90 + 20
+    assert with_activations(STATES, Late(), "fsdp", 2).activations == 90 + 40 / 2 + 20
+
+
+@pytest.fixture
+def planner(compose_spec):
+    spec = compose_spec(*TINY, "train.per_device_batch_size=8", "train.grad_accum_steps=6")
+    return fit.Planner(spec, 128, 1, model_shape(spec))
+
+
+def test_the_largest_micro_batch_is_the_largest_divisor_that_fits(planner):
+    peaks = {b: planner.estimate("ddp", b, 48 // b).device_total for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)}
+    assert list(peaks.values()) == sorted(peaks.values())  # a bigger micro-batch never needs less
+    limit = (peaks[6] + peaks[8]) / 2
+    assert planner.largest_micro_batch("ddp", 48, limit) == 6
+    assert planner.largest_micro_batch("ddp", 48, peaks[48]) == 48
+    assert planner.largest_micro_batch("ddp", 48, peaks[1] - 1) is None
+
+
+def test_a_run_that_does_not_fit_is_refused_in_one_line_naming_what_fits(planner):
+    room = fit.Budget(planner.estimate("ddp", 4, 12).device_total, "1 x test", True)
+    with pytest.raises(UserError) as refused:
+        fit.check_fit(planner.spec, planner, room)
+    message = refused.value.render()
+    assert "predicted not to fit" in message and "\n" not in message.strip()
+    assert "train.per_device_batch_size=4 train.grad_accum_steps=12 keeps the global batch 48" in message
+    assert "launch.check_fit=false" in message
+    planner.spec.launch.check_fit = False
+    fit.check_fit(planner.spec, planner, room)  # the override starts it
+
+
+def test_a_run_that_fits_passes(planner):
+    fit.check_fit(planner.spec, planner, fit.Budget(planner.estimate("ddp").device_total, "1 x test", True))
+
+
+def test_nothing_fits_names_the_other_ways_out(planner):
+    with pytest.raises(UserError, match="no micro-batch fits: choose a sharding strategy"):
+        fit.check_fit(planner.spec, planner, fit.Budget(1.0, "1 x test", True))
+
+
+def test_the_verdict_names_each_strategy_its_headroom_and_largest_micro_batch(compose_spec):
+    """GPT-2 small (124M) at block 1024, global batch 64, on 8 x A40 in bf16."""
+    spec = compose_spec("recipe=gpt2_clm_tiny", "model.config_overrides=null", "launch.device_memory=A40",
+                        "launch.nproc_per_node=8", "precision=bf16", "train.per_device_batch_size=8")
+    planner = fit.Planner(spec, 1024, 8, model_shape(spec))
+    lines = fit.verdict_lines(planner, ("ddp", "zero2", "zero3", "fsdp"), fit.budget(spec, 8))
+    assert lines[0] == "  fits on 8 x A40 (44.4 GiB each, 42.9 GiB usable)? per rank, global batch 64 kept:"
+    assert [line.split()[0] for line in lines[1:]] == ["ddp", "zero2", "zero3", "fsdp"]
+    assert all("fits, " in line and "GiB headroom" in line and "largest micro-batch 8 x 1 accumulation" in line
+               for line in lines[1:])
+    ddp, zero3 = planner.estimate("ddp"), planner.estimate("zero3")
+    assert zero3.device_total < ddp.device_total
+    assert ddp.activations > 4 * 2**30  # 8 x 1024 tokens of fp32 logits over 50,257 words alone are 1.6 GB
+
+
+def test_a_model_the_trace_cannot_run_still_starts_with_a_note(planner, monkeypatch, capsys):
+    def cannot(*args, **kwargs):
+        raise RuntimeError("an operator fake tensors do not support\nsecond line")
+
+    monkeypatch.setattr(fit, "trace_step", cannot)
+    fit.check_fit(planner.spec, planner, fit.Budget(1.0, "1 x test", True))
+    assert ("runner: note: no memory plan for this model (RuntimeError: an operator fake tensors do not support); "
+            "the run starts unchecked") in capsys.readouterr().err
