@@ -16,7 +16,7 @@ import copy
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 from runner.config.spec import ModelSpec
 
@@ -63,11 +63,36 @@ def _low_precision(precision: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
+@contextlib.contextmanager
+def gpu_attention_kernels() -> Iterator[None]:
+    """Attention as a GPU computes it, in memory: fake tensors live on the CPU, whose SDPA
+    falls back to the math kernel under dropout or an explicit mask and keeps every
+    head's T x T probabilities (and the dropout mask) for backward. A GPU's flash and
+    memory-efficient kernels keep O(T) per head (the output and its log-sum-exp; dropout
+    regenerated from its seed), whatever the mask and dropout; the CPU's flash kernel,
+    causal and without dropout, keeps the same. Only the sizes matter here: fake tensors
+    compute nothing."""
+    import torch
+
+    plain = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, **kwargs: Any) -> Any:
+        return plain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = plain
+
+
 def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
-               numerics: Numerics) -> StepTrace:
+               numerics: Numerics, gpu_kernels: bool = False) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
     run would build (its config, attention implementation, dropout and gradient
-    checkpointing), in train mode, under `numerics`."""
+    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
+    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -110,7 +135,9 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         tracker.track_external(model)
         autocast = (torch.autocast("cpu", dtype=low) if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast)
                     else contextlib.nullcontext())
-        with tracker:
+        fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
+                 else contextlib.nullcontext())
+        with tracker, fused:
             with autocast:
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()

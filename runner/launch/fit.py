@@ -104,8 +104,10 @@ class Planner:
     cached: the dry run's table, the fit check and the auto micro-batch ask for the same
     few again."""
 
-    def __init__(self, spec: RunSpec, block_size: int, world: int, shape: Any):
-        self.spec, self.block_size, self.world, self.shape = spec, block_size, world, shape
+    def __init__(self, spec: RunSpec, block_size: int, world: int, shape: Any, gpu: bool = False):
+        """`gpu`: the ranks are GPUs (Budget.gpu), whose fused attention kernels keep less
+        than the CPU's (runner/components/step_trace.py gpu_attention_kernels)."""
+        self.spec, self.block_size, self.world, self.shape, self.gpu = spec, block_size, world, shape, gpu
         self.config = build_config(spec.model)
         self._traces: dict[tuple[int, Numerics], StepTrace] = {}
 
@@ -113,7 +115,7 @@ class Planner:
         key = (micro_batch, how)
         if key not in self._traces:
             self._traces[key] = trace_step(self.spec.model, self.config, micro_batch, self.block_size,
-                                           self.spec.precision.kind.value, how)
+                                           self.spec.precision.kind.value, how, gpu_kernels=self.gpu)
         return self._traces[key]
 
     def estimate(self, strategy: str, micro_batch: Optional[int] = None, grad_accum_steps: Optional[int] = None,

@@ -87,8 +87,8 @@ def claim(
         spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
     validate(spec, world)
     data = prepare_data(spec)
-    planner = fit.Planner(spec, data.block_size, world, model_shape(spec))
     room = fit.budget(spec, world)
+    planner = fit.Planner(spec, data.block_size, world, model_shape(spec), gpu=room.gpu)
     if spec.dry_run:
         if auto:
             print(f"runner: dry run: {auto_batch.propose(spec, planner, room, world)}")

@@ -62,3 +62,19 @@ def test_a_mixture_of_experts_traces():
 def test_a_trace_holds_no_memory(config):
     # 64 x 128 tokens of fp32 logits over 50,257 words alone are 1.6 GB, which this process never holds
     assert act(config, 64, 128).activation_peak > 2**30
+
+
+def test_a_gpus_fused_attention_keeps_no_t_by_t_probabilities():
+    """GPT-2 trains with attention dropout, under which the CPU's SDPA keeps each head's
+    T x T probabilities and mask; a GPU's flash / memory-efficient kernels do not."""
+    long = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, vocab_size=512)
+    cpu = trace_step(ModelSpec(), long, 2, 1024, "fp32", Numerics.fp32)
+    gpu = trace_step(ModelSpec(), long, 2, 1024, "fp32", Numerics.fp32, gpu_kernels=True)
+    probabilities = 2 * 4 * 1024 * 1024 * 4  # one layer's, fp32
+    assert cpu.activation_peak - gpu.activation_peak > 2 * probabilities
+    # eager attention computes the probabilities on a GPU too: left as it is
+    from runner.config.spec import AttnImplementation
+
+    eager = ModelSpec(attn_implementation=AttnImplementation.eager)
+    assert (trace_step(eager, long, 2, 1024, "fp32", Numerics.fp32, gpu_kernels=True).activation_peak
+            > gpu.activation_peak + 2 * probabilities)

@@ -136,8 +136,9 @@ def test_the_verdict_names_each_strategy_its_headroom_and_largest_micro_batch(co
     """GPT-2 small (124M) at block 1024, global batch 64, on 8 x A40 in bf16."""
     spec = compose_spec("recipe=gpt2_clm_tiny", "model.config_overrides=null", "launch.device_memory=A40",
                         "launch.nproc_per_node=8", "precision=bf16", "train.per_device_batch_size=8")
-    planner = fit.Planner(spec, 1024, 8, model_shape(spec))
-    lines = fit.verdict_lines(planner, ("ddp", "zero2", "zero3", "fsdp"), fit.budget(spec, 8))
+    room = fit.budget(spec, 8)
+    planner = fit.Planner(spec, 1024, 8, model_shape(spec), gpu=room.gpu)
+    lines = fit.verdict_lines(planner, ("ddp", "zero2", "zero3", "fsdp"), room)
     assert lines[0] == "  fits on 8 x A40 (44.4 GiB each, 42.9 GiB usable)? per rank, global batch 64 kept:"
     assert [line.split()[0] for line in lines[1:]] == ["ddp", "zero2", "zero3", "fsdp"]
     assert all("fits, " in line and "GiB headroom" in line and "largest micro-batch 8 x 1 accumulation" in line
