@@ -304,7 +304,8 @@ class RunSpec:
     | wandb | mlflow | trackio | none. The spec is logged as hyperparameters."""
     dry_run: bool = False
     """Print the resolved spec and the run's plan (batch arithmetic, steps, parameters,
-    per-rank memory under ddp / zero2 / zero3), then stop without training."""
+    each rank's peak memory with activations, and whether it fits on launch.device_memory
+    under ddp / zero2 / zero3 / fsdp), then stop without training."""
     resume: Optional[str] = None
     """auto: continue from the newest complete checkpoint in the run folder (fresh if
     there is none, and it says so); PATH: continue from that checkpoint; null: start fresh."""

@@ -156,3 +156,24 @@ def test_a_model_the_trace_cannot_run_still_starts_with_a_note(planner, monkeypa
     fit.check_fit(planner.spec, planner, fit.Budget(1.0, "1 x test", True))
     assert ("runner: note: no memory plan for this model (RuntimeError: an operator fake tensors do not support); "
             "the run starts unchecked") in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_the_cli_refuses_a_run_that_does_not_fit_before_claiming_its_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import MICRO
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "runner", *MICRO, "launch.device_memory=10MiB",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = next(line for line in done.stderr.splitlines() if "predicted not to fit" in line)
+    assert line.startswith("runner: error: this run is predicted not to fit: ")
+    assert "under ddp at micro-batch 4, 10.0 MiB available on 1 x 10MiB" in line
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+    started = subprocess.run([sys.executable, "-m", "runner", *MICRO, "launch.device_memory=10MiB",
+                              "launch.check_fit=false", "train.max_steps=1", f"hydra.run.dir={run_dir}"],
+                             capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr[-2000:]
