@@ -62,10 +62,13 @@ def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
     return checkpoint is not None and run_dir.resolve() in checkpoint.resolve().parents
 
 
-def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = ()) -> Path:
-    """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/."""
+def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = (),
+           notes: Sequence[str] = ()) -> Path:
+    """Write run_spec.yaml (the single source of truth) and Hydra's record in .hydra/.
+    `notes`: what the launcher decided that the keys do not say (how an auto micro-batch
+    was chosen), as comments at the top beside the strategy's."""
     spec_path = run_dir / SPEC_FILENAME
-    save_spec(spec, spec_path, notes=build_strategy(spec.strategy, spec.precision).notes(spec.optim.fused))
+    save_spec(spec, spec_path, notes=[*build_strategy(spec.strategy, spec.precision).notes(spec.optim.fused), *notes])
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(exist_ok=True)
     if composed is not None:

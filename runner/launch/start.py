@@ -96,8 +96,9 @@ def claim(
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
         return None
-    if auto:
-        sys.stderr.write(f"runner: {auto_batch.choose(spec, planner, room, world, launch)}\n")
+    chosen = [auto_batch.choose(spec, planner, room, world, launch)] if auto else []
+    for line in chosen:
+        sys.stderr.write(f"runner: {line}\n")
     fit.check_fit(spec, planner, room)
     if spec.launch.nnodes > 1 and not run_dir_chosen:
         raise UserError(
@@ -123,7 +124,7 @@ def claim(
         if continuing:
             aside = set_aside_newer_branch(run_dir.resolve(), checkpoint, int(resume.marker["step"]))
             notes += [aside] if aside else []
-        spec_path = freeze(spec, run_dir, composed, overrides)
+        spec_path = freeze(spec, run_dir, composed, overrides, notes=chosen)
     for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
         sys.stderr.write(f"runner: {note}\n")
     return spec_path

@@ -51,6 +51,8 @@ def test_auto_with_room_is_the_hand_layout_bit_for_bit(by_hand, tmp_path):
     assert "global batch   8 = 8 per device x 1 process(es) x 1 accumulation" in done.stdout + done.stderr
     frozen = load_spec(tmp_path / "auto" / "run_spec.yaml").train
     assert (frozen.per_device_batch_size, frozen.grad_accum_steps) == (8, 1)
+    header = (tmp_path / "auto" / "run_spec.yaml").read_text().splitlines()
+    assert any(line.startswith("# train.per_device_batch_size=auto chose 8 per device") for line in header)
     hand, auto = step_records(by_hand / "metrics.jsonl"), step_records(tmp_path / "auto" / "metrics.jsonl")
     assert sorted(auto) == list(range(1, 15))
     assert auto == hand  # identical losses and gradient norms at every step, over the epoch boundary
