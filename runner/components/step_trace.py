@@ -87,6 +87,30 @@ def gpu_attention_kernels() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = plain
 
 
+@contextlib.contextmanager
+def grouped_experts_traceable() -> Iterator[None]:
+    """A mixture of experts traced as it runs: transformers' grouped expert matmul (the
+    default; one (tokens x top-k) x width activation per projection), through its own
+    fallback operator, whose fake kernel takes any dtype, rather than torch's grouped_mm,
+    whose fake kernel takes bf16 only. (The eager experts' routing asks which tokens chose
+    an expert, data fake tensors do not have; batched_mm copies each chosen expert's
+    weights per token, hundreds of MB a token for a real model.)"""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # a transformers without grouped experts
+        yield
+        return
+    plain = getattr(moe, "_can_use_grouped_mm", None)
+    if plain is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = plain
+
+
 def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
                numerics: Numerics, gpu_kernels: bool = False) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
@@ -103,10 +127,6 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
     kwargs: dict[str, Any] = {}
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation.value
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-        # Fake tensors cannot run the eager experts' data-dependent routing (nonzero), and the
-        # grouped matmul's fake kernel takes bf16 only: batched_mm has the same shapes.
-        kwargs["experts_implementation"] = "batched_mm"
     samples: list[tuple[int, int]] = []
 
     class Tracker(MemTracker):
@@ -137,7 +157,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
                     else contextlib.nullcontext())
         fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
                  else contextlib.nullcontext())
-        with tracker, fused:
+        with tracker, fused, grouped_experts_traceable():
             with autocast:
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
