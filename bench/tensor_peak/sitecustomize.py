@@ -8,7 +8,8 @@ allocator's running total of bytes it handed out while recording, so the largest
 total seen during step 2 is the peak of live tensors then. On a CPU that is what
 CUDA's max_memory_allocated is on a GPU: tensors only, without the interpreter,
 libraries, Python objects and allocator slack that the resident set (peak RSS) also
-counts. Writes `<folder>/rank<R>.json`. A bench instrument, not part of runner.
+counts. On a GPU it reads torch.cuda.max_memory_allocated over step 2 itself. Writes
+`<folder>/rank<R>.json`. A bench instrument, not part of runner.
 """
 
 import os
@@ -37,6 +38,12 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
 
         if self.state.step + 1 != _PROFILED_STEP or "prof" not in _state:
             return _plain_step(self, batch)
+        if self.accelerator.device.type == "cuda":  # on a GPU the allocator keeps the count itself
+            _state.pop("prof").__exit__(None, None, None)
+            torch.cuda.reset_peak_memory_stats(self.accelerator.device)
+            done = _plain_step(self, batch)
+            _write(self.accelerator.process_index, torch.cuda.max_memory_allocated(self.accelerator.device))
+            return done
         # The step's window in the clock the allocation events carry: a marker event
         # around it, not this process's wall clock.
         with torch.profiler.record_function(_MARKER):
@@ -57,9 +64,12 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
             if event.typed[0] == _EventType.Allocation and str(event.typed[1].device) == "cpu":
                 if start_ns <= event.start_time_ns <= end_ns:
                     peak = max(peak, event.typed[1].total_allocated)
+        _write(self.accelerator.process_index, peak)
+        return done
+
+    def _write(rank, peak_bytes):  # type: ignore[no-untyped-def]
         out = Path(os.environ["RUNNER_BENCH_TENSOR_PEAK"])
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{self.accelerator.process_index}.json").write_text(json.dumps({"peak_mb": peak / 2**20}))
-        return done
+        (out / f"rank{rank}.json").write_text(json.dumps({"peak_mb": peak_bytes / 2**20}))
 
     _worker.train, _trainer.Trainer.train_step = _train, _step
