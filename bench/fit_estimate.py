@@ -43,11 +43,10 @@ RUN = ["recipe=gpt2_clm_tiny", "data.block_size=128", "train.per_device_batch_si
 def estimate_mb(run_dir: Path) -> float:
     """The plan's per-rank peak for the run's frozen spec."""
     from runner.config.spec import load_spec
-    from runner.launch.dry_run import model_shape
     from runner.launch.fit import Planner
 
     spec = load_spec(run_dir / "run_spec.yaml")
-    return Planner(spec, 128, 2, model_shape(spec)).estimate(spec.strategy.kind.value).device_total / 2**20
+    return Planner(spec, 128, 2).estimate(spec.strategy.kind.value).device_total / 2**20
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ RUN = [
 def estimate_mb(run_dir: Path) -> float:
     """The dry-run plan's per-rank estimate for the run's frozen spec."""
     from runner.config.spec import load_spec
-    from runner.launch.dry_run import estimate_for, model_shape
+    from runner.launch.fit import estimate_for, model_shape
 
     spec = load_spec(run_dir / "run_spec.yaml")
     est = estimate_for(model_shape(spec), spec.strategy.kind.value, spec.precision.kind.value, 2)

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from runner.config.batch import accumulation_for
 from runner.config.errors import UserError
 from runner.config.spec import RunSpec, TrackingKind, save_spec
-from runner.launch.fit import Budget, Planner, _gib
+from runner.launch.fit import WAYS_OUT, Budget, Planner, gib
 from runner.train.worker import PROBE_FILENAME
 
 AUTO = "auto"
@@ -47,14 +47,20 @@ def check_request(spec: RunSpec, world: Optional[int]) -> None:
         raise UserError(problems)
 
 
+def set_micro_batch(spec: RunSpec, micro_batch: int, world: int) -> None:
+    """The micro-batch, and the accumulation train.global_batch_size then implies."""
+    t = spec.train
+    t.per_device_batch_size, t.grad_accum_steps = micro_batch, 1
+    t.grad_accum_steps = accumulation_for(t, world)[0]
+
+
 def propose(spec: RunSpec, planner: Planner, room: Budget, world: int) -> str:
     """The dry run's choice: the plan's proposal, unconfirmed (no probe). Sets the spec."""
     t = spec.train
     proposed = planner.largest_micro_batch(spec.strategy.kind.value, t.global_batch_size // world, room.bytes_per_rank)
     if proposed is None:
         return "train.per_device_batch_size=auto: no micro-batch is predicted to fit (see the plan below)"
-    t.per_device_batch_size, t.grad_accum_steps = proposed, 1
-    t.grad_accum_steps = accumulation_for(t, world)[0]
+    set_micro_batch(spec, proposed, world)
     return (f"train.per_device_batch_size=auto would choose {proposed} per device x {t.grad_accum_steps} accumulation "
             "(the plan's proposal; a real run confirms it with a two-step probe first)")
 
@@ -109,9 +115,8 @@ def choose(spec: RunSpec, planner: Planner, room: Budget, world: int,
     proposed = planner.largest_micro_batch(strategy, share, room.bytes_per_rank)
     if proposed is None:
         raise UserError(f"train.per_device_batch_size=auto: not even a micro-batch of 1 is predicted to fit in "
-                        f"{_gib(room.bytes_per_rank)} per rank on {room.described} under {strategy}. Choose a sharding "
-                        "strategy (strategy=zero3 or fsdp), more processes, model.gradient_checkpointing=true or a "
-                        "smaller data.block_size.")
+                        f"{gib(room.bytes_per_rank)} per rank on {room.described} under {strategy}. Choose "
+                        f"{WAYS_OUT}.")
     candidates = [d for d in range(proposed, 0, -1) if share % d == 0]
     tried: list[str] = []
     for b in candidates:
@@ -119,15 +124,13 @@ def choose(spec: RunSpec, planner: Planner, room: Budget, world: int,
                          f"{PROBE_STEPS}-step probe\n")
         peak, why = run_probe(spec, b, launch)
         if peak is not None and peak <= room.bytes_per_rank:
-            t.per_device_batch_size = b
-            t.grad_accum_steps = 1
-            t.grad_accum_steps = accumulation_for(t, world)[0]
+            set_micro_batch(spec, b, world)
             estimate = planner.estimate(strategy, b, t.grad_accum_steps).device_total
             return (f"train.per_device_batch_size=auto chose {b} per device x {world} process(es) x "
                     f"{t.grad_accum_steps} accumulation = global batch {t.global_batch_size} (estimated peak "
-                    f"{_gib(estimate)}, measured {_gib(peak)}, of {_gib(room.bytes_per_rank)} per rank"
+                    f"{gib(estimate)}, measured {gib(peak)}, of {gib(room.bytes_per_rank)} per rank"
                     + (f"; {', '.join(tried)}" if tried else "") + ")")
-        tried.append(f"{b} failed ({why})" if peak is None else f"{b} measured {_gib(peak)}, over")
-    raise UserError(f"train.per_device_batch_size=auto: no micro-batch ran within {_gib(room.bytes_per_rank)} per "
+        tried.append(f"{b} failed ({why})" if peak is None else f"{b} measured {gib(peak)}, over")
+    raise UserError(f"train.per_device_batch_size=auto: no micro-batch ran within {gib(room.bytes_per_rank)} per "
                     f"rank ({'; '.join(tried)}). Set train.per_device_batch_size by hand, or give "
                     "launch.device_memory.")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 import torch
 
-from runner.components.model import build_config
+from runner.components.model import build_config, count_parameters, layer_parameters
 from runner.components.step_trace import Numerics, StepTrace, trace_step
 from runner.config.errors import UserError
 from runner.config.spec import OffloadDevice, RunSpec
@@ -67,25 +68,60 @@ def local_processes(spec: RunSpec, world: int) -> int:
     return max(world // max(spec.launch.nnodes, 1), 1)
 
 
+def _gpu_budget(size: float, name: str, world: int) -> Budget:
+    usable = size - GPU_RESERVE_BYTES
+    return Budget(usable, f"{world} x {name} ({size / 2**30:.1f} GiB each, {usable / 2**30:.1f} GiB usable)", True)
+
+
 def budget(spec: RunSpec, world: int) -> Budget:
     """The run's memory per rank: `launch.device_memory` when given; else this machine's
     GPU (the smallest visible one), less GPU_RESERVE_BYTES; else, on a CPU, the host memory
     available now shared by this node's ranks."""
     if spec.launch.device_memory:
         size, named = parse_device_memory(spec.launch.device_memory)
-        usable = size - GPU_RESERVE_BYTES if named else size
-        label = spec.launch.device_memory + (f" ({size / 2**30:.1f} GiB each, {usable / 2**30:.1f} GiB usable)" if named else "")
-        return Budget(usable, f"{world} x {label}", named)
+        if named:
+            return _gpu_budget(size, spec.launch.device_memory, world)
+        return Budget(size, f"{world} x {spec.launch.device_memory}", False)
     if torch.cuda.is_available():
         sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-        name = torch.cuda.get_device_name(0)
-        size = float(min(sizes))
-        return Budget(size - GPU_RESERVE_BYTES, f"{world} x {name} ({size / 2**30:.1f} GiB each, "
-                      f"{(size - GPU_RESERVE_BYTES) / 2**30:.1f} GiB usable)", True)
+        return _gpu_budget(float(min(sizes)), torch.cuda.get_device_name(0), world)
     local = local_processes(spec, world)
     available = _host_available()
     return Budget(available / local, f"this machine's host memory ({available / 2**30:.1f} GiB available, "
                   f"{local} rank(s))", False)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate needs of the model."""
+
+    parameters: int
+    hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/distributed/deepspeed.py zero_sizes)
+    layers: Optional[int] = None  # transformer layers: FSDP2 gathers one or two at a time
+    layer_parameters: Optional[int] = None  # one layer's, counted on the model's module tree
+
+
+def shape_of(config: Any) -> ModelShape:
+    """The model `config` describes, built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None),
+                      layer_parameters(model))
+
+
+def model_shape(spec: RunSpec) -> ModelShape:
+    """The model the run would build."""
+    return shape_of(build_config(spec.model))
+
+
+def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> MemoryEstimate:
+    """Per-rank memory of this model's states and the strategy's buffers (no activations)."""
+    return estimate_memory(shape.parameters, strategy, precision, world_size, offload_optimizer, offload_params,
+                           hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
+                           layer_parameters=shape.layer_parameters)
 
 
 def numerics(strategy: str, precision: str) -> Numerics:
@@ -104,12 +140,20 @@ class Planner:
     cached: the dry run's table, the fit check and the auto micro-batch ask for the same
     few again."""
 
-    def __init__(self, spec: RunSpec, block_size: int, world: int, shape: Any, gpu: bool = False):
+    def __init__(self, spec: RunSpec, block_size: int, world: int, gpu: bool = False):
         """`gpu`: the ranks are GPUs (Budget.gpu), whose fused attention kernels keep less
-        than the CPU's (runner/components/step_trace.py gpu_attention_kernels)."""
-        self.spec, self.block_size, self.world, self.shape, self.gpu = spec, block_size, world, shape, gpu
-        self.config = build_config(spec.model)
+        than the CPU's (runner/components/step_trace.py gpu_attention_kernels). Nothing is
+        built until an estimate is asked for (a run with launch.check_fit=false asks none)."""
+        self.spec, self.block_size, self.world, self.gpu = spec, block_size, world, gpu
         self._traces: dict[tuple[int, Numerics], StepTrace] = {}
+
+    @cached_property
+    def config(self) -> Any:
+        return build_config(self.spec.model)
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        return shape_of(self.config)
 
     def trace(self, micro_batch: int, how: Numerics) -> StepTrace:
         key = (micro_batch, how)
@@ -122,13 +166,11 @@ class Planner:
                  own_offload: bool = True) -> MemoryEstimate:
         """Rank peak under `strategy` at `micro_batch` (default: the spec's). The spec's
         offload options apply when `own_offload` (the run's own strategy)."""
-        s, shape = self.spec, self.shape
+        s = self.spec
         precision = s.precision.kind.value
         offload_opt = own_offload and s.strategy.offload_optimizer is OffloadDevice.cpu
         offload_par = own_offload and s.strategy.offload_params is OffloadDevice.cpu
-        states = estimate_memory(shape.parameters, strategy, precision, self.world, offload_opt, offload_par,
-                                 hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
-                                 layer_parameters=shape.layer_parameters)
+        states = estimate_for(self.shape, strategy, precision, self.world, offload_opt, offload_par)
         b = micro_batch or s.train.per_device_batch_size
         accum = grad_accum_steps if grad_accum_steps is not None else s.train.grad_accum_steps
         return with_activations(states, self.trace(b, numerics(strategy, precision)), strategy, self.world, accum)
@@ -150,8 +192,14 @@ class Planner:
         return best
 
 
-def _gib(n_bytes: float) -> str:
+def gib(n_bytes: float) -> str:
+    """GiB from 1 GiB up (either sign), MiB below."""
     return f"{n_bytes / 2**30:,.2f} GiB" if abs(n_bytes) >= 2**30 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+# What to change when not even a micro-batch of 1 fits (the refusal's and auto's message).
+WAYS_OUT = ("a sharding strategy (strategy=zero3 or fsdp), more processes, model.gradient_checkpointing=true or a "
+            "smaller data.block_size")
 
 
 def per_rank_batch(spec: RunSpec) -> int:
@@ -170,11 +218,11 @@ def verdict_lines(planner: Planner, strategies: tuple[str, ...], room: Budget) -
         own = strategy == spec.strategy.kind.value
         peak = planner.estimate(strategy, own_offload=own).device_total
         largest = planner.largest_micro_batch(strategy, share, room.bytes_per_rank, own_offload=own)
-        verdict = (f"fits, {_gib(room.bytes_per_rank - peak)} headroom" if peak <= room.bytes_per_rank
-                   else f"does not fit ({_gib(peak - room.bytes_per_rank)} over)")
+        verdict = (f"fits, {gib(room.bytes_per_rank - peak)} headroom" if peak <= room.bytes_per_rank
+                   else f"does not fit ({gib(peak - room.bytes_per_rank)} over)")
         best = ("no micro-batch fits, not even 1" if largest is None else
                 f"largest micro-batch {largest} x {share // largest} accumulation")
-        lines.append(f"    {strategy:<6} peak {_gib(peak):>11}  {verdict}; {best}")
+        lines.append(f"    {strategy:<6} peak {gib(peak):>11}  {verdict}; {best}")
     return lines
 
 
@@ -193,11 +241,10 @@ def check_fit(spec: RunSpec, planner: Planner, room: Budget) -> None:
         return
     share = per_rank_batch(spec)
     largest = planner.largest_micro_batch(strategy, share, room.bytes_per_rank)
-    fix = ("no micro-batch fits: choose a sharding strategy (strategy=zero3 or fsdp), more processes, "
-           "model.gradient_checkpointing=true or a smaller data.block_size" if largest is None else
+    fix = (f"no micro-batch fits: choose {WAYS_OUT}" if largest is None else
            f"train.per_device_batch_size={largest} train.grad_accum_steps={share // largest} keeps the global batch "
            f"{share * planner.world} and fits")
-    raise UserError(f"this run is predicted not to fit: {_gib(peak)} per rank under {strategy} at micro-batch "
-                    f"{spec.train.per_device_batch_size}, {_gib(room.bytes_per_rank)} available on {room.described}; "
+    raise UserError(f"this run is predicted not to fit: {gib(peak)} per rank under {strategy} at micro-batch "
+                    f"{spec.train.per_device_batch_size}, {gib(room.bytes_per_rank)} available on {room.described}; "
                     f"{fix} (dry_run=true shows the plan; launch.check_fit=false starts it anyway).")
 

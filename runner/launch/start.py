@@ -23,7 +23,7 @@ from runner.distributed.process_group import slurm_node_launch
 from runner.distributed.world import world_size
 from runner.launch.accelerate_config import apply_accelerate_config
 from runner.launch import auto_batch, fit
-from runner.launch.dry_run import model_shape, report
+from runner.launch.dry_run import report
 from runner.launch.launcher import launch
 from runner.launch.preflight import prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
@@ -88,7 +88,7 @@ def claim(
     validate(spec, world)
     data = prepare_data(spec)
     room = fit.budget(spec, world)
-    planner = fit.Planner(spec, data.block_size, world, model_shape(spec), gpu=room.gpu)
+    planner = fit.Planner(spec, data.block_size, world, gpu=room.gpu)
     if spec.dry_run:
         if auto:
             print(f"runner: dry run: {auto_batch.propose(spec, planner, room, world)}")

@@ -5,7 +5,6 @@ import pytest
 
 from runner.config.errors import UserError
 from runner.launch import fit
-from runner.launch.dry_run import model_shape
 from runner.report.memory_estimate import MemoryEstimate, with_activations
 
 TINY = ["recipe=gpt2_clm_tiny", "model.config_overrides='n_embd=64,n_layer=2,n_head=4,n_positions=128'"]
@@ -101,7 +100,7 @@ def test_ddps_gradients_count_when_they_outlast_the_activations():
 @pytest.fixture
 def planner(compose_spec):
     spec = compose_spec(*TINY, "train.per_device_batch_size=8", "train.grad_accum_steps=6")
-    return fit.Planner(spec, 128, 1, model_shape(spec))
+    return fit.Planner(spec, 128, 1)
 
 
 def test_the_largest_micro_batch_is_the_largest_divisor_that_fits(planner):
@@ -139,7 +138,7 @@ def test_the_verdict_names_each_strategy_its_headroom_and_largest_micro_batch(co
     spec = compose_spec("recipe=gpt2_clm_tiny", "model.config_overrides=null", "launch.device_memory=A40",
                         "launch.nproc_per_node=8", "precision=bf16", "train.per_device_batch_size=8")
     room = fit.budget(spec, 8)
-    planner = fit.Planner(spec, 1024, 8, model_shape(spec), gpu=room.gpu)
+    planner = fit.Planner(spec, 1024, 8, gpu=room.gpu)
     lines = fit.verdict_lines(planner, ("ddp", "zero2", "zero3", "fsdp"), room)
     assert lines[0] == "  fits on 8 x A40 (44.4 GiB each, 42.9 GiB usable)? per rank, global batch 64 kept:"
     assert [line.split()[0] for line in lines[1:]] == ["ddp", "zero2", "zero3", "fsdp"]

@@ -112,7 +112,7 @@ def test_the_memory_plan_counts_the_models_own_layers(compose_spec, model_type, 
     """Grouped-query attention, a gated MLP, a mixture of experts, an untied head: the plan
     counts them from the model (on the meta device), not as GPT-2's 12 h² a layer."""
     from runner.certify.architectures import TINY
-    from runner.launch.dry_run import estimate_for, model_shape
+    from runner.launch.fit import estimate_for, model_shape
 
     spec = compose_spec("recipe=gpt2_clm_tiny", f"model.model_type={model_type}",
                         f"model.config_overrides='{TINY[model_type]}'")
