@@ -90,8 +90,15 @@ def check_file(path_str: str, override: str, text_column: Optional[str]) -> list
 
 
 def _check_text(path: Path, gz: bool, override: str) -> list[str]:
-    with _open_text(path, gz) as handle:
-        has_text = any(line.strip() for _, line in _lines(handle))
+    """Every line decodes as UTF-8 (named by number if not), and one holds text."""
+    has_text = False
+    with gzip.open(path, "rb") if gz else open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                has_text = bool(line.decode("utf-8").strip()) or has_text
+            except UnicodeDecodeError as err:
+                return [f"{override}: {path}:{number}: not UTF-8 (byte {err.start} of that line: {err.reason}). "
+                        "Re-encode it as UTF-8, or fix that line."]
     return [] if has_text else [f"{override}: '{path}' holds no text (only blank lines)."]
 
 

@@ -96,7 +96,8 @@ class DataSpec:
     dataset_config_name: Optional[str] = None
     """The hub dataset's configuration (`wikitext-2-raw-v1`)."""
     train_file: Optional[str] = None
-    """A local .txt, .json, .jsonl or .csv file, optionally gzipped (.gz)."""
+    """A local .txt, .json, .jsonl or .csv file, optionally gzipped (.gz). With
+    data.streaming=true also .parquet, other compressions, and globs."""
     validation_file: Optional[str] = None
     """Like `train_file`. null: hold out `validation_split_percentage` of train."""
     validation_split_percentage: int = 5
@@ -117,6 +118,21 @@ class DataSpec:
     a change of it."""
     cache_dir: Optional[str] = None
     """Where tokenized, grouped data is cached. null: $RUNNER_CACHE_DIR or ~/.cache/runner."""
+    streaming: bool = False
+    """Read the data as a stream (datasets' streaming API): tokenized and grouped on the
+    fly, nothing cached, memory flat whatever the corpus size; each rank reads its own
+    share. Files may be .txt, .json, .jsonl, .csv or .parquet, compressed (.gz, .bz2, .xz,
+    .zst) or not, and train_file / validation_file may be globs ('/data/*.jsonl.gz').
+    The length is unknown, so train.max_steps is required. See docs/data.md."""
+    shuffle_buffer: int = 1000
+    """Streaming: blocks per shuffle window. Each window is permuted with a seed from
+    (train.seed, epoch, window); 0 or 1: stream order. Larger mixes more and costs
+    memory (a window of blocks) and, on resume, re-reading at most one window."""
+    validation_blocks: Optional[int] = None
+    """Streaming: evaluation blocks, read once and kept in memory (the same blocks at
+    every evaluation). With a validation file or split: its first N blocks (null: all of
+    it). Without one: the first N blocks of the training stream are held out from
+    training (null: 100)."""
 
 
 @dataclass

@@ -84,6 +84,26 @@ def check_data_source(spec: RunSpec) -> list[str]:
     return problems
 
 
+def check_streaming(spec: RunSpec) -> list[str]:
+    """What a stream (data.streaming=true) needs, and the cached path's settings it cannot honour."""
+    d, p = spec.data, []
+    _positive(p, d.validation_blocks, "data.validation_blocks")
+    _positive(p, d.shuffle_buffer, "data.shuffle_buffer", allow_zero=True)
+    if not d.streaming:
+        if d.validation_blocks is not None:
+            p.append(f"data.validation_blocks={d.validation_blocks} is for data.streaming=true; the cached path holds out "
+                     "data.validation_split_percentage. Set data.validation_blocks=null, or data.streaming=true.")
+        return p
+    if spec.train.max_steps is None:
+        p.append("data.streaming=true reads a stream of unknown length, so train.num_epochs cannot be turned into "
+                 "steps: set train.max_steps=N.")
+    if d.preprocessing_num_workers is not None:
+        p.append("data.preprocessing_num_workers is for the cached path; a stream tokenizes on the fly in its "
+                 "loader. Set data.preprocessing_num_workers=null (train.dataloader_num_workers moves the "
+                 "tokenizing off the training process).")
+    return p
+
+
 def check_launch(spec: RunSpec) -> list[str]:
     """launch.* is read before the rest is validated (it decides the world size the batch
     arithmetic is checked at), so the launcher runs this first; it is in CHECKS too."""
@@ -172,7 +192,8 @@ def check_sweep(spec: RunSpec) -> list[str]:
 
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
-    check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_sweep,
+    check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_streaming,
+    check_sweep,
 )
 
 

@@ -165,3 +165,26 @@ def agree_on_spec(mine: Optional[RunSpec]) -> RunSpec:
                 "Start every node with the same recipe and overrides."
             )
     return leader
+
+
+_flag_group: dict[int, object] = {}  # per process group (a test may make several): its gloo group for host flags
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """True when `flag` is true on every rank (a collective: all ranks call it).
+
+    On a host tensor over gloo: under NCCL a device tensor would make the host wait for
+    the GPU at each call, so a gloo group is made for it once (on every rank at the same
+    call, as new_group requires)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    world = id(dist.group.WORLD)
+    if world not in _flag_group:
+        _flag_group.clear()
+        _flag_group[world] = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_flag_group[world])
+    return bool(value.item())

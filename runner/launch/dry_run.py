@@ -5,24 +5,28 @@ from __future__ import annotations
 import torch
 
 from runner.components.data import PreparedData
+from runner.components.stream import StreamedData
 from runner.config.spec import RunSpec, spec_to_yaml
 from runner.launch.fit import Budget, Planner, gib, verdict_lines
 from runner.report.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
 
 
-def report(spec: RunSpec, data: PreparedData, world_size: int, planner: Planner, room: Budget) -> str:
+def report(spec: RunSpec, data: PreparedData | StreamedData, world_size: int, planner: Planner, room: Budget) -> str:
     shape = planner.shape
+    streamed = isinstance(data, StreamedData)
+    train_blocks = 0 if streamed else len(data.train)  # a stream's length is unknown
     plan = plan_run(
         spec,
         world_size,
-        batches_per_rank=batches_per_rank(len(data.train), spec.train.per_device_batch_size, world_size),
+        batches_per_rank=batches_per_rank(train_blocks, spec.train.per_device_batch_size, world_size),
         block_size=data.block_size,
-        train_blocks=len(data.train),
+        train_blocks=train_blocks,
         eval_blocks=len(data.validation),
         parameters=shape.parameters,
         precision=spec.precision.kind.value,
         device="cuda" if torch.cuda.is_available() else "cpu",
+        stream=data.source if streamed else "",
     )
     mine = planner.estimate(plan.strategy)
     lines = verdict_lines(planner, COMPARED_STRATEGIES, room)
@@ -37,9 +41,8 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate) -> str:
         f"  global batch    {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
         f" x {p.grad_accum_steps} accumulation",
         f"  tokens/step     {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
-        f"  steps           {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps over "
-        f"{p.train_blocks:,} blocks)",
-        f"  tokens          {p.total_steps * p.tokens_per_step:,}",
+        f"  data            {p.data_line}",
+        f"  steps           {p.steps_line}",
         f"  parameters      {p.parameters:,}",
         f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
         f"  memory per rank at its peak ({p.strategy}, micro-batch {p.per_device_batch_size} x {p.block_size} tokens):",

@@ -17,6 +17,7 @@ import torch
 
 from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
+from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_block, open_stream
 from runner.components.model import (
     build_config,
     build_meta_model,
@@ -39,7 +40,10 @@ def check_data_files(spec: RunSpec) -> list[str]:
     d, problems = spec.data, []
     if d.cache_dir is not None:
         problems += _check_cache_dir(d.cache_dir)
-    if d.train_file:
+    if d.train_file and d.streaming:  # a stream is not read through here: its bad records are named mid-stream
+        problems += check_stream_files(d.train_file, "data.train_file")
+        problems += check_stream_files(d.validation_file, "data.validation_file") if d.validation_file else []
+    elif d.train_file:
         problems += check_files(d)
     elif d.dataset_name and not d.dataset_name.startswith(("/", ".", "~")):
         if not _dataset_cached(d.dataset_name) and not hub_reachable():
@@ -219,10 +223,18 @@ def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
         raise UserError(problems)
 
 
-def prepare_data(spec: RunSpec) -> PreparedData:
+def prepare_data(spec: RunSpec) -> PreparedData | StreamedData:
     """Tokenize and group the data now, in the launcher: data that yields no training
     or evaluation block is refused before any worker starts, and workers then read
-    the same on-disk cache."""
+    the same on-disk cache. A stream is only opened: its evaluation blocks and first
+    training block are read, nothing more."""
     tokenizer = build_tokenizer(spec.model)
     block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
+    if spec.data.streaming:
+        try:
+            streamed = open_stream(spec.data, tokenizer, block_size, spec.train.seed)
+            first_block(streamed)
+        except BadRecord as err:  # in the evaluation blocks or the first window: before any worker starts
+            raise UserError(err.line) from None
+        return streamed
     return prepare(spec.data, tokenizer, block_size)

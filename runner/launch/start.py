@@ -105,7 +105,8 @@ def claim(
             "a multi-node run needs the same run folder on every node: set hydra.run.dir=/shared/path "
             "(the same on every node's command line)."
         )
-    resume = check_resume(spec, run_dir.resolve(), world, train_samples=len(data.train)) if spec.resume is not None else ResumePlan()
+    samples = None if spec.data.streaming else len(data.train)  # a stream's length is unknown
+    resume = check_resume(spec, run_dir.resolve(), world, train_samples=samples) if spec.resume is not None else ResumePlan()
     if resume.finished:
         sys.stderr.write(f"runner: {resume.finished}\n")  # before anything is written: the folder stays byte-identical
         return None

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from accelerate import Accelerator
 
 from runner.config.errors import UserError
@@ -47,6 +48,7 @@ def save_checkpoint(
     keep: int,
     extra: Optional[dict[str, Any]] = None,
     spec_yaml: str = "",
+    rank_state: Optional[dict[str, Any]] = None,
 ) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
@@ -55,6 +57,8 @@ def save_checkpoint(
         tmp.parent.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # every rank takes part (DeepSpeed shards)
+    if rank_state is not None:  # each rank's own (a stream's position): Accelerate saves custom state on rank 0 only
+        torch.save(rank_state, tmp / rank_state_file(accelerator.process_index))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if spec_yaml:
@@ -67,6 +71,20 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank_state_{rank}.pt"
+
+
+def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
+    """A rank's own state saved with a checkpoint; a missing or torn file is named."""
+    file = path / rank_state_file(rank)
+    try:
+        return torch.load(file, weights_only=False)  # written by save_checkpoint: plain dicts and numbers
+    except Exception as err:  # noqa: BLE001 - missing, truncated or tampered
+        raise UserError(f"checkpoint {path}: rank {rank}'s data position {file.name} is unreadable "
+                        f"({type(err).__name__}). Resume from an older checkpoint (resume=PATH) or start a new run.") from None
 
 
 def read_marker(path: Path) -> dict[str, Any]:

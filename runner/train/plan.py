@@ -27,6 +27,7 @@ class RunPlan:
     lr: float
     effective_lr: float
     lr_rule: str = "none"
+    stream: str = ""  # data.streaming=true: what is streamed (its length, so steps_per_epoch, is unknown)
 
     @property
     def global_batch_size(self) -> int:
@@ -39,6 +40,22 @@ class RunPlan:
     @property
     def epochs(self) -> float:
         return self.total_steps / max(self.steps_per_epoch, 1)
+
+    @property
+    def steps_line(self) -> str:
+        """What the steps add up to; a stream's epochs are unknown until it is read through."""
+        if self.stream:
+            return (f"{self.total_steps:,} (train.max_steps; an epoch is one pass over the stream, its length unknown "
+                    f"until read), {self.total_steps * self.tokens_per_step:,} tokens")
+        return (f"{self.total_steps:,} ({self.epochs:.2f} epochs of {self.steps_per_epoch:,} steps),"
+                f" {self.total_steps * self.tokens_per_step:,} tokens")
+
+    @property
+    def data_line(self) -> str:
+        if self.stream:
+            return (f"{self.stream}, each rank its own share, in blocks of {self.block_size} tokens; "
+                    f"{self.eval_blocks:,} eval blocks held in memory")
+        return f"{self.train_blocks:,} train / {self.eval_blocks:,} eval blocks of {self.block_size} tokens"
 
     def as_dict(self) -> dict:
         return {**asdict(self), "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step}
@@ -70,11 +87,12 @@ def plan_run(
     parameters: int,
     precision: str,
     device: str,
+    stream: str = "",
 ) -> RunPlan:
     """The plan from the spec and what only the caller knows: the worker's prepared
     loader and model, or the dry run's estimates of them."""
     t = spec.train
-    per_epoch = steps_per_epoch(batches_per_rank, t.grad_accum_steps)
+    per_epoch = 0 if stream else steps_per_epoch(batches_per_rank, t.grad_accum_steps)  # a stream: unknown
     return RunPlan(
         world_size=world_size,
         per_device_batch_size=t.per_device_batch_size,
@@ -91,6 +109,7 @@ def plan_run(
         lr=spec.optim.lr,
         effective_lr=effective_lr(spec.optim, global_batch(t, world_size)),
         lr_rule=spec.optim.scale_lr.value,
+        stream=stream,
     )
 
 
@@ -101,12 +120,11 @@ def banner(plan: RunPlan, run_dir: str) -> str:
         f"  run folder     {run_dir}",
         f"  strategy       {p.strategy} on {p.world_size} process(es), device {p.device}, precision {p.precision}",
         f"  model          {p.parameters:,} parameters",
-        f"  data           {p.train_blocks:,} train / {p.eval_blocks:,} eval blocks of {p.block_size} tokens",
+        f"  data           {p.data_line}",
         f"  global batch   {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
         f" x {p.grad_accum_steps} accumulation",
         f"  tokens/step    {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
-        f"  steps          {p.total_steps:,} ({p.epochs:.2f} epochs of {p.steps_per_epoch:,} steps),"
-        f" {p.total_steps * p.tokens_per_step:,} tokens",
+        f"  steps          {p.steps_line}",
         f"  learning rate  {p.lr:g} configured, {p.effective_lr:g} in effect"
         + (f" ({p.lr_rule} scaling to global batch {p.global_batch_size})" if p.lr_rule != "none" else ""),
     ]

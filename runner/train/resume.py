@@ -95,10 +95,16 @@ def compare(
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key == "resume":  # resume=...: how, not what
             continue
-        (harmless if key in HARMLESS else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
+        # a stream's loader workers each read their own files: their number is part of the order
+        is_harmless = key in HARMLESS and not (key == "train.dataloader_num_workers" and old.data.streaming)
+        (harmless if is_harmless else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
         breaking.append(f"global batch: {old_batch} -> {new_batch}")
+    elif old.data.streaming and _layout(old, old_world) != _layout(new, new_world):
+        # a stream's position is each rank's own, in its own share, counted in its micro-batches
+        breaking.append(f"layout {describe_layout_change(old, new, old_world, new_world)} of a stream "
+                        "(each rank's position is in its own share of it)")
     else:
         problems = layout_change_problems(old, new, old_world, new_world, train_samples, marker or {})
         breaking += problems

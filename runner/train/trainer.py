@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,9 +20,10 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from runner.config.spec import PrecisionSpec
+from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
 from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
-from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_rank_state, save_checkpoint
 from runner.train.plan import RunPlan
 from runner.train.signals import Stopped, StopRequest
 from runner.train.verdict import NonFiniteStep, Verdicts
@@ -85,6 +87,7 @@ class Trainer:
         flops_per_token: float = 0.0,
         peak_flops: float = 0.0,
         max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
+        stream: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
@@ -115,6 +118,11 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops  # all devices together
         self.last_checkpoint: Optional[Path] = None
+        # data.streaming=true: train_loader is this rank's own stateful loader (not prepared
+        # by Accelerate), its position saved with each checkpoint (see _stream_batches).
+        self.stream = stream
+        self.data_wait = 0.0  # seconds spent waiting for training batches, after the first
+        self.first_batch_wait: Optional[float] = None  # opening the data (a stream reads its first window)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
@@ -127,7 +135,7 @@ class Trainer:
         self.stop.install()
         try:
             while s.step < plan.total_steps:
-                for batch in self._epoch_batches():
+                for batch in self._timed(self._epoch_batches()):
                     s.samples_in_epoch += self.samples_per_batch
                     if not self.train_step(batch):
                         continue
@@ -156,8 +164,27 @@ class Trainer:
         eval_results = self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
 
+    def _timed(self, batches: Any) -> Any:
+        """The batches, with the time spent waiting for each added to data_wait."""
+        it = iter(batches)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                waited = time.perf_counter() - started
+                if self.first_batch_wait is None:
+                    self.first_batch_wait = waited
+                else:
+                    self.data_wait += waited
+            yield batch
+
     def _epoch_batches(self) -> Any:
         """This epoch's batches from the current data position (exact after a resume)."""
+        if self.stream:
+            return self._stream_batches()
         loader = self.train_loader
         done = self.batches_done_in_epoch()
         if done:
@@ -169,6 +196,23 @@ class Trainer:
         if self.sampler is not None:
             self.sampler.set_epoch(self.state.epoch)
         return loader
+
+    def _stream_batches(self) -> Any:
+        """A stream's batches, one optimizer step's micro-batches at a time.
+
+        The ranks' shares of a stream end at different points, and an unprepared loader
+        gives Accelerate no end-of-data signal for a short accumulation: so a step is
+        read whole before it is trained, and the pass (epoch) ends for every rank when
+        any rank cannot read a whole step (its remainder is dropped, as drop_last does)."""
+        self.sampler.set_epoch(self.state.epoch)  # the shuffle windows' seed; a restored position carries its own
+        batches = iter(self.train_loader)
+        device = self.accelerator.device
+        while True:
+            step = list(islice(batches, self.plan.grad_accum_steps))
+            if not all_ranks_agree(len(step) == self.plan.grad_accum_steps):
+                return
+            for batch in step:
+                yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     @property
     def samples_per_batch(self) -> int:
@@ -213,14 +257,19 @@ class Trainer:
             "pending_loss_count": s.loss_count,
             "skipped_steps": s.skipped_steps,
         }
+        rank_state = {"data": self.train_loader.state_dict()} if self.stream else None
         self.last_checkpoint = save_checkpoint(
-            self.accelerator, self.run_dir, s.step, self.keep_checkpoints, meta, spec_yaml=self.spec_yaml
+            self.accelerator, self.run_dir, s.step, self.keep_checkpoints, meta, spec_yaml=self.spec_yaml,
+            rank_state=rank_state,
         )
         return self.last_checkpoint
 
-    def restore(self, meta: dict[str, Any]) -> None:
+    def restore(self, meta: dict[str, Any], checkpoint: Optional[Path] = None) -> None:
         """Continue from a checkpoint's loop state (model and optimizer are already loaded)."""
         s, plan = self.state, self.plan
+        if self.stream:  # the stream's own position, through its loader's load_state_dict
+            assert checkpoint is not None, "a stream resumes from its checkpoint's per-rank data state"
+            self.train_loader.load_state_dict(load_rank_state(checkpoint, self.accelerator.process_index)["data"])
         s.step, s.epoch = int(meta["step"]), int(meta["epoch"])
         s.start_step = s.step
         if "samples_in_epoch" in meta:
@@ -232,8 +281,8 @@ class Trainer:
         # it decides which micro-batch ends an accumulation. A checkpoint sits at a step
         # boundary, so in this layout the count is this rank's batches into the epoch
         # (a whole number of accumulations: resume.layout_change_problems sees to it).
-        done = self.batches_done_in_epoch()
-        self.accelerator.step = done if done < len(self.train_loader) else 0
+        done = 0 if self.stream else self.batches_done_in_epoch()
+        self.accelerator.step = done if self.stream or done < len(self.train_loader) else 0
         s.skipped_steps = int(meta.get("skipped_steps", 0))
         count = int(meta.get("pending_loss_count", 0))
         if count:
@@ -368,7 +417,8 @@ class Trainer:
         memory = self.accelerator.gather(torch.tensor([[window_peak_memory_mb(device), current_memory_mb(device)]], device=device))
         record = {
             "step": s.step,
-            "epoch": round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
+            # a stream's passes so far (its length is unknown until read through)
+            "epoch": s.epoch if self.stream else round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
             "loss": mean,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
@@ -450,9 +500,10 @@ class Trainer:
         # Rates count only the steps this process ran, over the time it ran them: after
         # a resume, the steps before the checkpoint took time this process never saw.
         steps_run = s.step - s.start_step
+        first = self.first_batch_wait or 0.0
         samples_run = steps_run * plan.global_batch_size
         return {
-            "epoch": round(s.step / max(plan.steps_per_epoch, 1), 4),
+            "epoch": s.epoch if self.stream else round(s.step / max(plan.steps_per_epoch, 1), 4),
             "train_loss": train_loss,
             "train_runtime": round(runtime, 3),
             "train_samples": samples,
@@ -465,4 +516,9 @@ class Trainer:
             "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1) if steps_run else None,
             "train_mfu": self.mfu(samples_run * plan.block_size / runtime) if steps_run else None,
             "first_step_time": s.first_step_time,
+            # waiting for training batches after the first, as a share of the training time after it
+            # (bench/stream_data.py); the first batch's wait is the data's start-up
+            "data_wait_seconds": round(self.data_wait, 3),
+            "data_wait_fraction": round(self.data_wait / (runtime - first), 4) if runtime - first > 0 else None,
+            "first_batch_seconds": round(first, 3),
         }

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
 from runner.components.data import prepare as prepare_data
+from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream
 from runner.components.model import (
     active_dropout,
     build_config,
@@ -46,7 +47,7 @@ from runner.components.model import (
 )
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
-from runner.config.errors import TrainingStopped
+from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.spec import RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged, check_in_sync, rank_fingerprints
@@ -90,7 +91,7 @@ class Built:
 class Loaders:
     train: DataLoader
     evaluation: DataLoader
-    sampler: EpochSampler  # the trainer sets its epoch
+    sampler: EpochSampler | BlockStream  # the trainer sets its epoch
 
 
 def run(spec: Optional[RunSpec]) -> dict[str, Any]:
@@ -130,13 +131,15 @@ def train(spec: RunSpec) -> dict[str, Any]:
     loaders = make_loaders(spec, data)
     model, optimizer, train_loader, eval_loader, optimizer_in_use = prepare_for_training(  # 5
         spec, strategy, accelerator, built.model, loaders)
+    streamed = isinstance(data, StreamedData)
     plan = plan_run(
         spec, accelerator.num_processes,
-        batches_per_rank=len(train_loader), block_size=block_size,
-        train_blocks=len(data.train), eval_blocks=len(data.validation),
+        batches_per_rank=0 if streamed else len(train_loader), block_size=block_size,
+        train_blocks=0 if streamed else len(data.train), eval_blocks=len(data.validation),
         parameters=count_parameters(unwrap(accelerator, model)),
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
+        stream=data.source if streamed else "",
     )
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built.config, block_size, run_dir, optimizer_in_use)
@@ -184,7 +187,17 @@ def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: P
     )
 
 
-def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_size: int) -> PreparedData:
+def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_size: int) -> PreparedData | StreamedData:
+    if spec.data.streaming:  # this rank's share, read as it trains
+        try:
+            streamed = open_stream(spec.data, tokenizer, block_size, spec.train.seed,
+                                   accelerator.process_index, accelerator.num_processes)
+        except BadRecord as err:  # the launcher read these blocks too; a file changed since
+            log.error(f"runner: error: {err.line}")
+            raise TrainingStopped(USAGE_EXIT_CODE, err.line) from None
+        if accelerator.is_main_process:
+            log.info(f"data: {streamed.source}; {len(streamed.validation)} eval blocks read in {streamed.seconds:.1f}s")
+        return streamed
     # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
     with accelerator.local_main_process_first():
         data = prepare_data(spec.data, tokenizer, block_size)
@@ -193,16 +206,32 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
     return data
 
 
-def make_loaders(spec: RunSpec, data: PreparedData) -> Loaders:
+def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
     t = spec.train
     pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accelerator.dataloader_config) can overlap
-    sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
-    train_loader = DataLoader(
-        data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=collate,
-        num_workers=t.dataloader_num_workers, drop_last=False,
-        generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
-        pin_memory=pin,
-    )
+    sampler: EpochSampler | BlockStream
+    train_loader: DataLoader
+    if isinstance(data, StreamedData):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: a warning per loader, nothing to act on
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+        # This rank's own share, not Accelerate's to shard; stateful, so a checkpoint holds
+        # its exact position, in its loader workers too.
+        sampler = data.train
+        train_loader = StatefulDataLoader(
+            data.train, batch_size=t.per_device_batch_size, collate_fn=collate, num_workers=t.dataloader_num_workers,
+            drop_last=True, generator=loader_generator(t.seed), pin_memory=pin,
+        )
+    else:
+        sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
+        train_loader = DataLoader(
+            data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=collate,
+            num_workers=t.dataloader_num_workers, drop_last=False,
+            generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
+            pin_memory=pin,
+        )
     evaluation = DataLoader(
         data.validation, batch_size=t.per_device_eval_batch_size or t.per_device_batch_size, shuffle=False,
         collate_fn=collate, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
@@ -216,8 +245,11 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
     lr = effective_lr(spec.optim, global_batch(spec.train, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
     strategy.before_prepare(model, accelerator)
-    prepared = accelerator.prepare(model, optimizer, loaders.train, loaders.evaluation)
-    model, optimizer, train_loader, eval_loader = prepared
+    if isinstance(loaders.sampler, BlockStream):  # a stream's loader is this rank's own (make_loaders)
+        model, optimizer, eval_loader = accelerator.prepare(model, optimizer, loaders.evaluation)
+        train_loader = loaders.train
+    else:
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, loaders.train, loaders.evaluation)
     strategy.after_prepare(accelerator, model)
     skip_output_upcast(accelerator, model)  # the loss is computed in the model, in fp32
     in_use = check_engaged(accelerator, model, optimizer, spec, planned_world_size(spec.launch), strategy)
@@ -225,7 +257,7 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
 
 
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
-                 train_loader: Any, eval_loader: Any, sampler: EpochSampler, plan: RunPlan, config: Any,
+                 train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, config: Any,
                  block_size: int, run_dir: Path, optimizer_in_use: str) -> Trainer:
     t = spec.train
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
@@ -244,6 +276,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         max_consecutive_skipped_steps=spec.precision.max_consecutive_skipped_steps,
         log_every=t.log_every, eval_every=t.eval_every, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
         sampler=sampler,
+        stream=isinstance(sampler, BlockStream),
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model))),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
@@ -257,7 +290,7 @@ def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Train
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:
         meta = load_checkpoint(accelerator, resume_from)
-        trainer.restore(meta)
+        trainer.restore(meta, resume_from)
         if accelerator.is_main_process:
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
             note = inexact_layout_note(meta, trainer.plan, active_dropout(config))
@@ -284,6 +317,10 @@ def fit(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path
     except NonFiniteLoss as err:
         log.error(f"runner: {err}")
         raise TrainingStopped(3, str(err)) from None
+    except BadRecord as err:  # a stream's record; the last checkpoint is untouched
+        last = trainer.last_checkpoint or latest_checkpoint(run_dir)
+        log.error(f"runner: error: {err.line} (the last checkpoint, {last or 'none yet'}, is intact)")
+        raise TrainingStopped(USAGE_EXIT_CODE, err.line) from None
     except Exception as err:
         if _is_timeout(err):
             raise CollectiveTimeout(
@@ -296,7 +333,7 @@ def fit(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path
 
 
 def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer: Trainer, model: Any, tokenizer: Any,
-           data: PreparedData, run_dir: Path, before_model_mb: float, train_results: dict[str, Any],
+           data: PreparedData | StreamedData, run_dir: Path, before_model_mb: float, train_results: dict[str, Any],
            eval_results: dict[str, float]) -> dict[str, Any]:
     """Check the ranks agree, checkpoint the final state, save model/ and the results."""
     fingerprints = rank_fingerprints(accelerator, model, strategy)
@@ -310,7 +347,7 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     save_outputs(strategy, accelerator, model, tokenizer, run_dir)
     results: dict[str, Any] = {}
     if accelerator.is_main_process:
-        train_results["train_samples_total"] = len(data.train)
+        train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)
         train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
         results = write_results(run_dir, train_results, eval_results or None)
         plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")

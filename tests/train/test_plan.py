@@ -85,7 +85,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     per_epoch = math.ceil(batches_per_rank(blocks, 8, 2) / 2)
     assert "global batch    32 = 8 per device x 2 process(es) x 2 accumulation" in out
     assert "tokens/step     4,096 = 32 x 128" in out
-    assert f"epochs of {per_epoch:,} steps over {blocks:,} blocks" in out
+    assert f"data            {blocks:,} train / " in out
+    assert f"epochs of {per_epoch:,} steps)" in out
     assert "parameters      3,324,736" in out
     assert "buffers       " in out and "activations   " in out
     # each strategy's verdict on this machine's host memory, at the same global batch

@@ -104,3 +104,19 @@ def test_resuming_the_newest_checkpoint_sets_nothing_aside(tmp_path):
     run_dir = _folder(tmp_path, [4, 8])  # a run killed after step 8's save
     assert set_aside_newer_branch(run_dir, run_dir / "checkpoints" / "step_8", 8) is None
     assert not (run_dir / "abandoned").exists()
+
+
+def test_a_stream_resumes_only_in_its_own_layout_and_loader_workers(compose_spec):
+    """Each rank's stream position is in its own share, and its loader workers each read
+    their own files: another layout or worker count would read other blocks."""
+    old = compose_spec("data.streaming=true", "train.max_steps=10", "train.per_device_batch_size=4")
+    new = compose_spec("data.streaming=true", "train.max_steps=10", "train.per_device_batch_size=4", "train.grad_accum_steps=2")
+    breaking, _ = compare(old, new, 2, 1, None, {"samples_in_epoch": 32})
+    assert breaking == ["layout 2x4x1 -> 1x4x2 (processes x per-device batch x accumulation) of a stream "
+                        "(each rank's position is in its own share of it)"]
+    workers = compose_spec("data.streaming=true", "train.max_steps=10", "train.per_device_batch_size=4",
+                           "train.dataloader_num_workers=1")
+    breaking, harmless = compare(old, workers, 1, 1, None, {})
+    assert breaking == ["train.dataloader_num_workers: 0 -> 1"] and harmless == []
+    longer = compose_spec("data.streaming=true", "train.max_steps=20", "train.per_device_batch_size=4")
+    assert compare(old, longer, 1, 1, None, {}) == ([], ["train.max_steps: 10 -> 20"])

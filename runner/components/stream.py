@@ -1,0 +1,341 @@
+"""Streaming data (data.streaming=true): blocks tokenized and grouped on the fly.
+
+The files (or a hub dataset) are read through `datasets`' streaming API, tokenized and
+cut into blocks by the same `group_texts` as the cached path (runner/components/data.py),
+in the same batches of 1,000 rows, so with shuffling off a stream yields the cached
+path's blocks in the cached path's order. Nothing is written to disk and memory stays
+flat whatever the corpus size.
+
+Each rank reads its own share (`split_dataset_by_node`: whole files when the file count
+divides by the world size, else every world-th block). `BlockStream` adds what
+`datasets` lacks for exact resume: its shuffle buffer's contents are not saved (a resume
+refills it, so the order changes). Here the buffer is a window of `shuffle_buffer`
+blocks permuted by a seed of (run seed, epoch, window number); its state is the
+library's own position at the window's start plus how many of the window's blocks were
+handed out. A resume restores that position through the iterable's `load_state_dict`,
+re-reads at most one window, and continues at the exact next block.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from datasets import Dataset, IterableDataset, load_dataset
+from datasets.distributed import split_dataset_by_node
+from transformers import PreTrainedTokenizerBase
+
+from runner.components.data import epoch_order_seed, group_texts, text_column_of
+from runner.components.data_checks import check_file
+from runner.config.errors import UserError
+from runner.config.spec import DataSpec
+
+log = logging.getLogger(__name__)
+
+# file type (after compression suffixes) -> datasets builder
+STREAM_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Compressions datasets' streaming opens on the fly (fsspec infers them from the suffix).
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+# Validation blocks held out from the head of the training stream when there is no
+# validation file or split and data.validation_blocks is null.
+DEFAULT_HELD_OUT_BLOCKS = 100
+
+
+class BadRecord(RuntimeError):
+    """A record the stream could not read or tokenize, named by file and record.
+
+    Built from one line; a DataLoader worker re-raises it in the training process with
+    its own traceback text around that line, which `line` recovers."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        last = [ln for ln in str(text).strip().splitlines() if ln.strip()][-1:] or [str(text)]
+        self.line = last[0].split("BadRecord: ", 1)[-1].strip()
+
+
+def file_type(path: str) -> str:
+    """'.jsonl' for 'x.jsonl.gz'; '' when the type is not one streaming reads."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in COMPRESSIONS:
+        suffix = Path(p.stem).suffix.lower()
+    return suffix if suffix in STREAM_BUILDERS else ""
+
+
+def expand_files(pattern: str, override: str) -> list[str]:
+    """A file, or a glob (`data/*.jsonl.gz`, `shards/**/*.parquet`), as sorted paths."""
+    expanded = os.path.expanduser(pattern)
+    files = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
+    files = [f for f in files if not os.path.isdir(f)]
+    if not files or not all(os.path.exists(f) for f in files):
+        raise UserError(f"{override}={pattern}: no such file{' matches the pattern' if glob.has_magic(expanded) else ''}. "
+                        f"Fix the path ({override}=/path/to/train.txt, or a glob such as '/data/*.jsonl.gz').")
+    return files
+
+
+def check_stream_files(pattern: str, override: str) -> list[str]:
+    """Problems with a streamed file pattern, found without reading the files through:
+    they exist, are of a type the stream reads, and are all of one type."""
+    try:
+        files = expand_files(pattern, override)
+    except UserError as err:
+        return err.problems
+    kinds = {file_type(f) for f in files}
+    if "" in kinds:
+        bad = next(f for f in files if not file_type(f))
+        return [f"{override}: '{Path(bad).name}' has a type streaming cannot read; use "
+                f"{', '.join(STREAM_BUILDERS)} (optionally compressed: {', '.join(COMPRESSIONS)})."]
+    if len({STREAM_BUILDERS[k] for k in kinds}) > 1:
+        return [f"{override}={pattern}: the files mix types ({', '.join(sorted(kinds))}); a stream reads one type. "
+                "Narrow the pattern to one."]
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if empty:
+        return [f"{override}: '{empty[0]}' is empty. Give files with text in them."]
+    return []
+
+
+@dataclass
+class Source:
+    """What one stream reads: local files of one type, or one split of a hub dataset."""
+
+    files: list[str]
+    builder: str = ""
+    dataset: Optional[tuple[str, Optional[str], str]] = None  # (name, config, split)
+
+    def describe(self) -> str:
+        if self.dataset:
+            name, config, split = self.dataset
+            return f"{name}{'/' + config if config else ''} [{split}], streamed"
+        return f"{len(self.files)} file(s) streamed ({self.files[0]}{', ...' if len(self.files) > 1 else ''})"
+
+    def open(self, data: DataSpec) -> IterableDataset:
+        if self.dataset:
+            name, config, split = self.dataset
+            return load_dataset(name, config, split=split, streaming=True)
+        kwargs = {"keep_linebreaks": data.keep_linebreaks} if self.builder == "text" else {}
+        return load_dataset(self.builder, data_files={"train": self.files}, split="train", streaming=True, **kwargs)
+
+
+def sources(data: DataSpec) -> tuple[Source, Optional[Source]]:
+    """The training source and the validation one (None: held out from training's head)."""
+    if data.dataset_name:
+        from datasets import get_dataset_split_names
+
+        splits = get_dataset_split_names(data.dataset_name, data.dataset_config_name)
+        validation = next((s for s in ("validation", "valid", "test") if s in splits), None)
+        train = Source([], dataset=(data.dataset_name, data.dataset_config_name, "train"))
+        held = Source([], dataset=(data.dataset_name, data.dataset_config_name, validation)) if validation else None
+        return train, held
+    files = expand_files(str(data.train_file), "data.train_file")
+    train = Source(files, STREAM_BUILDERS[file_type(files[0])])
+    if not data.validation_file:
+        return train, None
+    vfiles = expand_files(data.validation_file, "data.validation_file")
+    return train, Source(vfiles, STREAM_BUILDERS[file_type(vfiles[0])])
+
+
+def to_blocks(raw: IterableDataset, data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> IterableDataset:
+    """Tokenize and group on the fly, as the cached path does (same batches of rows)."""
+    columns = raw.column_names
+    if columns is None:  # json without declared features: the first record names them
+        columns = list(next(iter(raw)).keys())  # open_stream names a bad first record
+    column = text_column_of(data, columns)
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)  # long rows are split next
+    # datasets logs its reader's error before raising it; BadRecord names the record instead, once
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, Any]:
+        return {"input_ids": tokenizer(batch[column], return_attention_mask=False)["input_ids"]}
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=columns)
+    return tokenized.map(group_texts, batched=True, fn_kwargs={"block_size": block_size})
+
+
+def _innermost(state: Any) -> dict[str, Any]:
+    """The file-level position (shard index, rows read) inside a datasets state dict."""
+    while isinstance(state, dict) and "examples_iterable" in state:
+        state = state["examples_iterable"]
+    return state if isinstance(state, dict) else {}
+
+
+class BlockStream(torch.utils.data.IterableDataset):
+    """One rank's training blocks, shuffled in seeded windows, with an exact position.
+
+    `state_dict()` is the position after the last block handed out; a DataLoader, or
+    torchdata's StatefulDataLoader in each loader worker, saves and restores it."""
+
+    def __init__(self, blocks: IterableDataset, files: list[str], shuffle_buffer: int, seed: int,
+                 limit: Optional[int] = None, step: tuple[int, int] = (0, 1)) -> None:
+        self.pristine = blocks  # never iterated: each pass starts from a copy (load_state_dict sticks to an iterable)
+        self.files = files  # this rank's files, in shard order, to name a bad record's file
+        self.window = max(1, shuffle_buffer)
+        self.shuffle = shuffle_buffer > 1
+        self.seed = seed
+        self.limit = limit  # data.max_train_samples: this rank's blocks per pass
+        # (rank, world): keep every world-th block of a stream every rank reads whole (see open_stream)
+        self.offset, self.stride = step
+        self.epoch = 0
+        self._state: Optional[dict[str, Any]] = None
+        self._resume: Optional[dict[str, Any]] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._state) if self._state else {"epoch": self.epoch, "start": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self._resume = state if state.get("start") is not None else None
+
+    def _order(self, window: int, n: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(n))
+        rng = np.random.default_rng([epoch_order_seed(self.seed, self.epoch), window])
+        return rng.permutation(n).tolist()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        stream = copy.deepcopy(self.pristine)
+        resume, self._resume = self._resume, None
+        window, index, taken = 0, 0, 0
+        if resume is not None:
+            stream.load_state_dict(resume["start"])
+            window, index, taken = int(resume["window"]), int(resume["index"]), int(resume["taken"])
+        rows = iter(stream)
+        if self.stride > 1:
+            rows = islice(rows, self.offset, None, self.stride)
+        while self.limit is None or taken < self.limit:
+            start = stream.state_dict()
+            want = self.window if self.limit is None else min(self.window, self.limit - taken)
+            blocks = self._read(stream, rows, want)
+            if not blocks:
+                return
+            order = self._order(window, len(blocks))
+            for k in range(index, len(blocks)):
+                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1,
+                               "taken": taken + len(blocks) if k + 1 == len(blocks) else taken}
+                yield {"input_ids": torch.tensor(blocks[order[k]]["input_ids"], dtype=torch.long)}
+            # the window is spent: the next one starts after it
+            window, index, taken = window + 1, 0, taken + len(blocks)
+            self._state = {"epoch": self.epoch, "start": stream.state_dict(), "window": window, "index": 0, "taken": taken}
+
+    def _read(self, stream: IterableDataset, rows: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+        try:
+            return list(islice(rows, n))
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - anything the reader or tokenizer raises on one record
+            raise BadRecord(self.locate(stream, err)) from None
+
+    def locate(self, stream: IterableDataset, err: Exception) -> str:
+        files = self.files
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and len(files) > 1:  # datasets gives each loader worker every n-th file
+            files = files[worker.id :: worker.num_workers] or files
+        return name_bad_record(files, _innermost(stream.state_dict()), err, "the training stream")
+
+
+def name_bad_record(files: list[str], position: dict[str, Any], err: Exception, what: str) -> str:
+    """One line naming a bad record's file and record: the file from the stream's position,
+    the record by checking that file line by line (the library's own message counts rows
+    within the chunk it read, and names no line)."""
+    shard = int(position.get("shard_idx", 0))
+    candidates = files[shard:] + files[:shard] if shard < len(files) else files
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for path in candidates[:3]:  # the file at the position, then its neighbours
+        problems = check_file(path, "data", None) if file_type(path) in (".txt", ".json", ".jsonl", ".csv") else []
+        if problems:
+            return f"bad record in {what}: {problems[0].split(': ', 1)[-1]}"
+    where = candidates[0] if candidates else "the stream"
+    return (f"bad record in {what}: {where}, after record {position.get('shard_example_idx', '?')} "
+            f"of that file: {type(err).__name__}: {reason}. Fix or remove that record.")
+
+
+@dataclass
+class StreamedData:
+    """What the worker trains on when data.streaming=true."""
+
+    train: BlockStream
+    validation: "Dataset"  # the same blocks at every evaluation, held in memory
+    block_size: int
+    source: str
+    seconds: float
+
+
+def held_out_blocks(data: DataSpec, validation: Optional[Source]) -> Optional[int]:
+    """Validation blocks: data.validation_blocks, or with no validation source the default held out."""
+    if data.validation_blocks is not None:
+        return data.validation_blocks
+    return None if validation is not None else DEFAULT_HELD_OUT_BLOCKS
+
+
+def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int, seed: int,
+                rank: int = 0, world_size: int = 1) -> StreamedData:
+    """This rank's training stream and the evaluation blocks (read now, kept in memory)."""
+    started = time.perf_counter()
+    train_source, validation_source = sources(data)
+    with named_bad_records(train_source, "the training stream"):
+        train_blocks = to_blocks(train_source.open(data), data, tokenizer, block_size)
+    n_eval = held_out_blocks(data, validation_source)
+    if validation_source is None:
+        with named_bad_records(train_source, "the training stream"):
+            head = list(islice(train_blocks, n_eval))
+        train_blocks = train_blocks.skip(n_eval)
+    else:
+        with named_bad_records(validation_source, "the validation stream"):
+            validation_blocks = to_blocks(validation_source.open(data), data, tokenizer, block_size)
+            head = list(validation_blocks if n_eval is None else islice(validation_blocks, n_eval))
+    if data.max_eval_samples is not None:
+        head = head[: data.max_eval_samples]
+    if not head:
+        where = data.validation_file or "the validation split"
+        raise UserError(f"the validation data ({where}) is shorter than one block of {block_size} tokens. Give a longer "
+                        "data.validation_file, or lower data.block_size.")
+    files, step = train_source.files, (0, 1)
+    limit = None if data.max_train_samples is None else max(1, data.max_train_samples // world_size)
+    if world_size > 1:
+        by_files = train_blocks.n_shards % world_size == 0
+        if by_files and validation_source is None:
+            # datasets splits a skip over the files (each rank skips part of it), so the
+            # held-out head would leak into rank 0's training blocks: every rank reads the
+            # whole stream instead and keeps every world-th block, as datasets does when
+            # the files do not divide.
+            step = (rank, world_size)
+        else:
+            if by_files:  # whole files per rank (datasets' rule): name this rank's
+                files = files[rank::world_size]
+            train_blocks = split_dataset_by_node(train_blocks, rank=rank, world_size=world_size)
+    stream = BlockStream(train_blocks, files, data.shuffle_buffer, seed, limit=limit, step=step)
+    validation = Dataset.from_dict({"input_ids": [row["input_ids"] for row in head]}).with_format("torch")
+    return StreamedData(stream, validation, block_size, train_source.describe(), time.perf_counter() - started)
+
+
+def first_block(streamed: StreamedData) -> None:
+    """Refuse a training stream that yields no block (read one block, not a window)."""
+    blocks = list(islice(iter(streamed.train), 1))
+    if not blocks:
+        raise UserError(f"the training data ({streamed.source}) holds no block of {streamed.block_size} tokens after "
+                        "the held-out evaluation blocks. Give more text, lower data.block_size or data.validation_blocks.")
+
+
+@contextmanager
+def named_bad_records(source: Source, what: str) -> Iterator[None]:
+    """A record the reader or tokenizer fails on, while opening a stream, as BadRecord."""
+    try:
+        yield
+    except (UserError, BadRecord):
+        raise
+    except Exception as err:  # noqa: BLE001 - anything the reader or tokenizer raises on one record
+        if not source.files:  # a hub dataset: no file to name
+            raise BadRecord(f"bad record in {what} ({source.describe()}): {type(err).__name__}: {err}") from None
+        raise BadRecord(name_bad_record(source.files, {}, err, what)) from None
