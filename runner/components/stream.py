@@ -222,8 +222,7 @@ class BlockStream(torch.utils.data.IterableDataset):
                 return
             order = self._order(window, len(blocks))
             for k in range(index, len(blocks)):
-                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1,
-                               "taken": taken + len(blocks) if k + 1 == len(blocks) else taken}
+                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1, "taken": taken}
                 yield {"input_ids": torch.tensor(blocks[order[k]]["input_ids"], dtype=torch.long)}
             # the window is spent: the next one starts after it
             window, index, taken = window + 1, 0, taken + len(blocks)

@@ -238,3 +238,12 @@ def test_stream_batches_are_long_tensors(tokenizer, lines, tmp_path):
     stream = open_stream(stream_spec(str(write_jsonl(tmp_path / "a.jsonl", lines))), tokenizer, BLOCK, 0).train
     row = next(iter(stream))
     assert row["input_ids"].dtype == torch.long and row["input_ids"].shape == (BLOCK,)
+
+
+def test_a_position_at_a_windows_end_keeps_the_pass_length(tokenizer, lines, tmp_path):
+    """data.max_train_samples caps a pass: a cut right after a window's last block must not
+    count that window twice (the pass would end a window early)."""
+    spec = stream_spec(str(write_jsonl(tmp_path / "a.jsonl", lines)), shuffle_buffer=6, max_train_samples=30)
+    whole, resumed = resumed_batches(spec, tokenizer, workers=0, cut=2)  # 2 batches of 3 = the first window
+    assert len(whole) == 10
+    assert resumed == whole
