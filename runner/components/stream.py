@@ -213,7 +213,10 @@ class BlockStream(torch.utils.data.IterableDataset):
             window, index, taken = int(resume["window"]), int(resume["index"]), int(resume["taken"])
         rows = iter(stream)
         if self.stride > 1:
-            rows = islice(rows, self.offset, None, self.stride)
+            # A restored position sits right after this rank's last row (`taken` > 0), or at
+            # the pass's start (none taken yet): other ranks' rows to pass over before this
+            # rank's next one are then `stride - 1`, or this rank's `offset`.
+            rows = islice(rows, self.offset if taken == 0 else self.stride - 1, None, self.stride)
         while self.limit is None or taken < self.limit:
             start = stream.state_dict()
             want = self.window if self.limit is None else min(self.window, self.limit - taken)

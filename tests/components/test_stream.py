@@ -145,18 +145,22 @@ def loader(stream: BlockStream, workers: int):
     return StatefulDataLoader(stream, batch_size=3, collate_fn=collate, num_workers=workers, drop_last=True)
 
 
-def resumed_batches(spec: DataSpec, tokenizer, workers: int, cut: int, epoch: int = 0) -> tuple[list, list]:
-    """(uninterrupted, resumed) batches of one pass, the resumed pass cut after `cut`
-    batches and continued by a new loader from the old one's state_dict."""
-    full = open_stream(spec, tokenizer, BLOCK, seed=3).train
+def resumed_batches(spec: DataSpec, tokenizer, workers: int, cut: int, epoch: int = 0, rank: int = 0,
+                    world_size: int = 1) -> tuple[list, list]:
+    """(uninterrupted, resumed) batches of one pass of one rank's share, the resumed pass
+    cut after `cut` batches and continued by a new loader from the old one's state_dict."""
+    def share() -> BlockStream:
+        return open_stream(spec, tokenizer, BLOCK, seed=3, rank=rank, world_size=world_size).train
+
+    full = share()
     full.set_epoch(epoch)
     whole = [b["input_ids"].tolist() for b in loader(full, workers)]
-    first = open_stream(spec, tokenizer, BLOCK, seed=3).train
+    first = share()
     first.set_epoch(epoch)
     cut_loader = loader(first, workers)
     head = [b["input_ids"].tolist() for b in itertools.islice(cut_loader, cut)]
     state = cut_loader.state_dict()
-    again = open_stream(spec, tokenizer, BLOCK, seed=3).train
+    again = share()
     again_loader = loader(again, workers)
     again_loader.load_state_dict(state)
     return whole, head + [b["input_ids"].tolist() for b in again_loader]
@@ -168,6 +172,25 @@ def test_a_restored_position_continues_at_the_exact_next_block(tokenizer, lines,
     whole, resumed = resumed_batches(spec, tokenizer, workers=0, cut=cut, epoch=2)
     assert len(whole) > 40
     assert resumed == whole
+
+
+@pytest.mark.parametrize("files,validation_file", [(2, False), (2, True), (3, False), (3, True)])
+def test_every_ranks_restored_position_is_exact_in_a_later_window(tokenizer, lines, tmp_path, files, validation_file):
+    """Each of two ranks, cut in its third shuffle window, continues with exactly its own
+    blocks: whole files per rank or every other block, held-out head or validation file."""
+    (tmp_path / "p").mkdir()
+    per = len(lines) // files
+    for i in range(files):
+        write_jsonl(tmp_path / "p" / f"{i}.jsonl", lines[i * per:(i + 1) * per])
+    validation = tmp_path / "val.txt"
+    validation.write_text("Validation text, separate from training. " * 30)
+    spec = stream_spec(str(tmp_path / "p" / "*.jsonl"), shuffle_buffer=4, validation_blocks=8,
+                       validation_file=str(validation) if validation_file else None)
+    for rank in range(2):
+        for cut in (3, 5):  # 9 and 15 blocks: inside the third and at the fourth window's end (3 a batch)
+            whole, resumed = resumed_batches(spec, tokenizer, workers=0, cut=cut, epoch=1, rank=rank, world_size=2)
+            assert len(whole) > 20
+            assert resumed == whole, (rank, cut)
 
 
 @pytest.mark.multiprocess  # loader workers are child processes

@@ -7,15 +7,18 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from runner.config.paths import asset_path
+from conftest import patch_train_step
 from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, read_marker
-from runs import cmd, losses
-from test_checkpoint import kill_9_after_checkpoint, resume_ok
+from runs import cmd, losses, resume_cmd
+from test_checkpoint import kill_9_after_checkpoint, resume_ok, wait_for
 
 # 40 blocks a pass (over all ranks) in 16-block shuffle windows: at 4 per micro-batch an
 # epoch is 10 steps on one process, 5 on two, so a resume from step 15 crosses epochs.
@@ -83,3 +86,62 @@ def test_a_bad_record_mid_stream_stops_with_one_line_and_the_checkpoint_intact(t
     assert f"the last checkpoint, {last}, is intact" in named[0]
     assert not list((run_dir / "checkpoints").glob(".tmp_*"))
     assert (last / COMPLETE_MARKER).is_file()
+
+
+def austen_lines(n: int, words: int = 0) -> list[str]:
+    """The vendored corpus's first n non-blank lines (each cut to `words` words, if given)."""
+    with gzip.open(asset_path("austen.txt.gz"), "rt", encoding="utf-8") as handle:
+        lines = itertools.islice((ln.rstrip("\n") for ln in handle if ln.strip()), n)
+        return [" ".join(ln.split()[:words]) if words else ln for ln in lines]
+
+
+def rank_blocks(log: Path) -> dict[int, list[str]]:
+    """Each rank's micro-batches as the patched train_step logged them: 'step ids' lines."""
+    return {int(f.stem[4:]): f.read_text().splitlines() for f in sorted(log.glob("rank*.txt"))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("validation_file", [False, True])
+def test_every_ranks_blocks_after_a_resume_in_a_later_window_are_its_own(tmp_path, validation_file):
+    """Two files on two processes (whole files per rank, or every other block when blocks
+    are held out of the stream), killed after an odd step inside a later shuffle window:
+    each rank's micro-batches after the resume are the uninterrupted run's, and so is
+    every loss, bit for bit, dropout on."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = austen_lines(2000)
+    for i in range(2):
+        (data / f"{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[i * 1000:(i + 1) * 1000]))
+    extra = [f"data.train_file={data}/*.jsonl", "data.streaming=true", "data.shuffle_buffer=4", "data.validation_blocks=8",
+             "data.max_train_samples=null", "train.per_device_batch_size=2", "train.max_steps=8", "train.save_every=3",
+             "launch.nproc_per_node=2"]
+    if validation_file:
+        (tmp_path / "val.txt").write_text("Validation text, kept apart from training. " * 40)
+        extra.append(f"data.validation_file={tmp_path / 'val.txt'}")
+
+    def logging_env(name: str) -> dict[str, str]:
+        (tmp_path / name).mkdir()
+        record = (f"open(os.path.join({str(tmp_path / name)!r}, 'rank' + os.environ['RANK'] + '.txt'), 'a')"
+                  ".write(f'{self.state.step} {batch[\"input_ids\"].tolist()}\\n')")
+        return {**os.environ, **patch_train_step(tmp_path / name, "True", record)}
+
+    done = subprocess.run(cmd(tmp_path / "full", *extra), env=logging_env("full_log"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "cut"
+    proc = subprocess.Popen(cmd(run_dir, *extra), env=logging_env("cut_log"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(run_dir / "checkpoints" / "step_3" / COMPLETE_MARKER, proc)  # 6 blocks a rank: the second 4-block window
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(resume_cmd(run_dir), env=logging_env("resumed_log"), capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_3" in resumed.stderr
+    full, after = rank_blocks(tmp_path / "full_log"), rank_blocks(tmp_path / "resumed_log")
+    assert sorted(full) == sorted(after) == [0, 1]
+    for rank in (0, 1):
+        assert len(full[rank]) == 8
+        assert after[rank] == full[rank][3:], f"rank {rank} trained other blocks after the resume"
+    assert full[0] != full[1]
+    assert losses(run_dir) == losses(tmp_path / "full")
