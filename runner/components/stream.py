@@ -322,12 +322,24 @@ def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size
     return StreamedData(stream, validation, block_size, train_source.describe(), time.perf_counter() - started)
 
 
-def first_block(streamed: StreamedData) -> None:
-    """Refuse a training stream that yields no block (read one block, not a window)."""
-    blocks = list(islice(iter(streamed.train), 1))
-    if not blocks:
-        raise UserError(f"the training data ({streamed.source}) holds no block of {streamed.block_size} tokens after "
+def first_step(streamed: StreamedData, data: DataSpec, per_step: int, rank: int = 0, world_size: int = 1) -> None:
+    """Refuse a rank's training stream that cannot give one optimizer step (`per_step`
+    blocks: micro-batch x accumulation), reading that many blocks and no more: the
+    trainer would otherwise find every pass empty."""
+    n = len(list(islice(iter(streamed.train), per_step)))
+    if n == per_step:
+        return
+    who = f"rank {rank} of {world_size}'s share of " if world_size > 1 else ""
+    if not n:
+        raise UserError(f"{who}the training data ({streamed.source}) holds no block of {streamed.block_size} tokens after "
                         "the held-out evaluation blocks. Give more text, lower data.block_size or data.validation_blocks.")
+    capped = data.max_train_samples is not None and streamed.train.limit == n
+    cause = (f"data.max_train_samples={data.max_train_samples} leaves {who}the stream {n} block(s) a pass"
+             if capped else f"{who}the training data ({streamed.source}) holds {n} block(s) of {streamed.block_size} tokens")
+    fix = (f"raise data.max_train_samples to at least {per_step * world_size}" if capped
+           else "give more text, lower data.block_size")
+    raise UserError(f"{cause}, fewer than one optimizer step of {per_step} (per-device batch x accumulation). "
+                    f"{fix[0].upper() + fix[1:]}, or lower train.per_device_batch_size or train.grad_accum_steps.")
 
 
 @contextmanager

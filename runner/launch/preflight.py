@@ -17,7 +17,7 @@ import torch
 
 from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
-from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_block, open_stream
+from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
 from runner.components.model import (
     build_config,
     build_meta_model,
@@ -223,17 +223,21 @@ def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
         raise UserError(problems)
 
 
-def prepare_data(spec: RunSpec) -> PreparedData | StreamedData:
+def prepare_data(spec: RunSpec, world_size: int = 1) -> PreparedData | StreamedData:
     """Tokenize and group the data now, in the launcher: data that yields no training
     or evaluation block is refused before any worker starts, and workers then read
-    the same on-disk cache. A stream is only opened: its evaluation blocks and first
-    training block are read, nothing more."""
+    the same on-disk cache. A stream is only opened: its evaluation blocks and each
+    rank's first optimizer step of training blocks are read, nothing more."""
     tokenizer = build_tokenizer(spec.model)
     block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
     if spec.data.streaming:
+        per_step = spec.train.per_device_batch_size * spec.train.grad_accum_steps
         try:
             streamed = open_stream(spec.data, tokenizer, block_size, spec.train.seed)
-            first_block(streamed)
+            for rank in range(world_size):  # each rank's own share: the last is often the shortest
+                share = streamed if world_size == 1 else open_stream(
+                    spec.data, tokenizer, block_size, spec.train.seed, rank=rank, world_size=world_size)
+                first_step(share, spec.data, per_step, rank, world_size)
         except BadRecord as err:  # in the evaluation blocks or the first window: before any worker starts
             raise UserError(err.line) from None
         return streamed

@@ -86,7 +86,7 @@ def claim(
     if world is not None:  # train.global_batch_size decides the accumulation at this world size
         spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
     validate(spec, world)
-    data = prepare_data(spec)
+    data = prepare_data(spec, world or 1)
     room = fit.budget(spec, world)
     planner = fit.Planner(spec, data.block_size, world, gpu=room.gpu)
     if spec.dry_run:

@@ -45,6 +45,11 @@ class NonFiniteLoss(RuntimeError):
     fp16: after precision.max_consecutive_skipped_steps overflows in a row)."""
 
 
+class NoStepInPass(RuntimeError):
+    """A whole pass over the training data gave no optimizer step: every further pass
+    would give none either, so the loop would spin forever without training."""
+
+
 @dataclass
 class LoopState:
     step: int = 0  # optimizer steps taken
@@ -133,8 +138,10 @@ class Trainer:
         window_steps = 0
         self.model.train()
         self.stop.install()
+        empty_passes = 0  # passes in a row that gave no step (a resumed one may start at its end)
         try:
             while s.step < plan.total_steps:
+                pass_start = s.step
                 for batch in self._timed(self._epoch_batches()):
                     s.samples_in_epoch += self.samples_per_batch
                     if not self.train_step(batch):
@@ -156,6 +163,13 @@ class Trainer:
                         break
                 else:
                     s.epoch, s.samples_in_epoch = s.epoch + 1, 0
+                    empty_passes = empty_passes + 1 if s.step == pass_start else 0
+                    if empty_passes == 2:  # the second from a pass's very start: the data is too short
+                        raise NoStepInPass(
+                            f"a pass over the training data gives no optimizer step on some rank (one step is "
+                            f"{plan.per_device_batch_size} blocks x {plan.grad_accum_steps} accumulation a rank). Give "
+                            "more data, raise data.max_train_samples, or lower train.per_device_batch_size.")
+                    self._stop_if_signalled()  # also between passes: a pass may hold no step at all
         finally:
             self.stop.restore()
             progress.close()

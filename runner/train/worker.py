@@ -66,7 +66,7 @@ from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.resume import resolve
 from runner.train.rng import loader_generator, seed_training_stream
 from runner.train.signals import EXIT_CODES, Stopped
-from runner.train.trainer import NonFiniteLoss, Trainer
+from runner.train.trainer import NoStepInPass, NonFiniteLoss, Trainer
 
 # train.per_device_batch_size=auto's probe run writes its ranks' memory here (runner/launch/auto_batch.py).
 PROBE_FILENAME = "probe_memory.json"
@@ -317,6 +317,9 @@ def fit(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path
     except NonFiniteLoss as err:
         log.error(f"runner: {err}")
         raise TrainingStopped(3, str(err)) from None
+    except NoStepInPass as err:  # the data changed since the launcher's check
+        log.error(f"runner: error: {err}")
+        raise TrainingStopped(USAGE_EXIT_CODE, str(err)) from None
     except BadRecord as err:  # a stream's record; the last checkpoint is untouched
         last = trainer.last_checkpoint or latest_checkpoint(run_dir)
         log.error(f"runner: error: {err.line} (the last checkpoint, {last or 'none yet'}, is intact)")

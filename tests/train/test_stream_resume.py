@@ -145,3 +145,21 @@ def test_every_ranks_blocks_after_a_resume_in_a_later_window_are_its_own(tmp_pat
         assert after[rank] == full[rank][3:], f"rank {rank} trained other blocks after the resume"
     assert full[0] != full[1]
     assert losses(run_dir) == losses(tmp_path / "full")
+
+
+@pytest.mark.e2e
+def test_a_stream_that_gives_no_step_stops_with_one_line_instead_of_spinning(tmp_path):
+    """The launcher refuses such a stream (tests/launch/test_preflight_stream.py); should
+    the data shrink after that check, the trainer stops on its second empty pass in a row
+    instead of re-opening empty passes forever at 100% CPU, deaf to SIGTERM."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import runner.launch.preflight as preflight\npreflight.first_step = lambda *args, **kwargs: None\n")
+    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    overrides = ["data.streaming=true", "data.validation_blocks=4", "data.max_train_samples=4",
+                 "train.per_device_batch_size=8"]
+    done = subprocess.run(cmd(tmp_path / "run", *overrides), env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "a pass over the training data gives no optimizer step" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
