@@ -104,6 +104,36 @@ def check_stream_files(pattern: str, override: str) -> list[str]:
     return []
 
 
+def training_files(data: DataSpec) -> list[list[Any]]:
+    """The training files a stream reads, in shard order, as [real path, bytes]: what a
+    checkpoint's position indexes (datasets counts files by their place in this list).
+    Empty for a hub dataset, whose files the hub versions."""
+    if data.dataset_name or not data.train_file:
+        return []
+    return [[os.path.realpath(f), os.path.getsize(f)] for f in expand_files(str(data.train_file), "data.train_file")]
+
+
+def training_files_changes(saved: list[list[Any]], now: list[list[Any]]) -> tuple[list[str], list[str]]:
+    """(breaking, harmless) differences between the files a checkpoint's position indexes
+    and today's. Another list or order moves the position to other files; a file whose
+    size changed keeps its place (a record fixed after a bad-record stop, say)."""
+    before, after = [name for name, _ in saved], [name for name, _ in now]
+    if before != after:
+        added = [n for n in after if n not in before]
+        removed = [n for n in before if n not in after]
+        what = "; ".join(filter(None, [f"added {', '.join(added)}" if added else "",
+                                       f"removed {', '.join(removed)}" if removed else "",
+                                       "" if added or removed else "the same files in another order"]))
+        return [f"data.train_file: the files it expands to changed since the checkpoint ({what}); the stream's position "
+                "counts files by their place in the list, so it would continue in other files. Restore the files as "
+                "they were, or start a new run folder"], []
+    resized = [f"{name} ({a:,} -> {b:,} bytes)" for (name, a), (_, b) in zip(saved, now) if a != b]
+    if not resized:
+        return [], []
+    return [], [f"data.train_file: {', '.join(resized)} changed size since the checkpoint; the position counts records "
+                "within each file, so an edit before it in the file being read shifts it"]
+
+
 @dataclass
 class Source:
     """What one stream reads: local files of one type, or one split of a hub dataset."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
@@ -162,6 +163,9 @@ def check_resume(
 
     marker = read_marker(path)
     breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, train_samples, marker)
+    if spec.data.streaming and "data_files" in marker:  # older checkpoints did not record them
+        changed, resized = training_files_changes(marker["data_files"], training_files(spec.data))
+        breaking, harmless = breaking + changed, harmless + resized
     if breaking:
         raise UserError(
             f"cannot resume {path}: these changes would break the run's math: {'; '.join(breaking)}. "

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
 from runner.components.data import prepare as prepare_data
-from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream
+from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.components.model import (
     active_dropout,
     build_config,
@@ -277,6 +277,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         log_every=t.log_every, eval_every=t.eval_every, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
         sampler=sampler,
         stream=isinstance(sampler, BlockStream),
+        data_files=training_files(spec.data) if spec.data.streaming else None,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model))),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown

@@ -270,3 +270,18 @@ def test_a_position_at_a_windows_end_keeps_the_pass_length(tokenizer, lines, tmp
     whole, resumed = resumed_batches(spec, tokenizer, workers=0, cut=2)  # 2 batches of 3 = the first window
     assert len(whole) == 10
     assert resumed == whole
+
+
+def test_a_file_list_change_is_breaking_and_a_size_change_is_named():
+    from runner.components.stream import training_files_changes
+
+    saved = [["/d/1.jsonl", 10], ["/d/2.jsonl", 20]]
+    assert training_files_changes(saved, saved) == ([], [])
+    breaking, _ = training_files_changes(saved, [["/d/0.jsonl", 5], *saved])
+    assert len(breaking) == 1 and "added /d/0.jsonl" in breaking[0]
+    breaking, _ = training_files_changes(saved, saved[:1])
+    assert "removed /d/2.jsonl" in breaking[0]
+    breaking, _ = training_files_changes(saved, saved[::-1])
+    assert "the same files in another order" in breaking[0]
+    breaking, harmless = training_files_changes(saved, [saved[0], ["/d/2.jsonl", 25]])
+    assert breaking == [] and "/d/2.jsonl (20 -> 25 bytes) changed size" in harmless[0]

@@ -163,3 +163,37 @@ def test_a_stream_that_gives_no_step_stops_with_one_line_instead_of_spinning(tmp
     assert done.returncode == 2, done.stderr[-3000:]
     assert "a pass over the training data gives no optimizer step" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_changed_file_list_under_the_glob_is_refused_and_a_resized_file_is_named(tmp_path):
+    """A checkpoint's position counts files by their place in the glob's list: a file that
+    sorts first, added between save and resume, would re-train a file already seen."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = austen_lines(600)
+    for i, part in ((1, lines[:300]), (2, lines[300:])):
+        (data / f"{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    run_dir = tmp_path / "run"
+    overrides = [f"data.train_file={data}/*.jsonl", "data.streaming=true", "data.validation_blocks=4",
+                 "data.max_train_samples=null", "train.max_steps=4", "train.save_every=2"]
+    done = subprocess.run(cmd(run_dir, *overrides), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_marker(run_dir / "checkpoints" / "step_4")["data_files"] == [
+        [str((data / f"{i}.jsonl").resolve()), (data / f"{i}.jsonl").stat().st_size] for i in (1, 2)]
+
+    def resume(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd(run_dir, *overrides, "resume=auto", "train.max_steps=6", *extra),
+                              capture_output=True, text=True, timeout=600)
+
+    (data / "0.jsonl").write_text((data / "1.jsonl").read_text())
+    refused = resume()
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"changed since the checkpoint (added {(data / '0.jsonl').resolve()})" in refused.stderr
+    assert "Traceback" not in refused.stderr and read_marker(complete_checkpoints(run_dir)[-1])["step"] == 4
+    (data / "0.jsonl").unlink()
+    with open(data / "2.jsonl", "a") as handle:
+        handle.write(json.dumps({"text": "a record added at the end of the last file"}) + "\n")
+    accepted = resume()
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert f"resume: accepted change data.train_file: {(data / '2.jsonl').resolve()} (" in accepted.stderr
