@@ -58,8 +58,15 @@ def prepare_run_dir(run_dir: Path, overwrite: bool, continuing: bool = False, wh
 
 
 def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
-    """Whether resuming from `checkpoint` carries on the run that lives in `run_dir`."""
-    return checkpoint is not None and run_dir.resolve() in checkpoint.resolve().parents
+    """Whether resuming from `checkpoint` carries on the run that lives in `run_dir`: a
+    checkpoint of its own (checkpoints/step_N) or of a branch it set aside
+    (abandoned/X/checkpoints/step_N, which runner.train.resume.start_branch brings back).
+    A copy kept anywhere else in the folder is another run's, like any other folder's."""
+    if checkpoint is None or run_dir.resolve() not in checkpoint.resolve().parents:
+        return False
+    parts = checkpoint.resolve().relative_to(run_dir.resolve()).parts
+    return parts[:1] == ("checkpoints",) and len(parts) == 2 or (
+        len(parts) == 4 and parts[0] == "abandoned" and parts[2] == "checkpoints")
 
 
 def freeze(spec: RunSpec, run_dir: Path, composed: object = None, overrides: Sequence[str] = (),

@@ -27,7 +27,7 @@ from runner.launch.dry_run import report
 from runner.launch.launcher import launch
 from runner.launch.preflight import prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
-from runner.train.resume import ResumePlan, check_resume, set_aside_newer_branch
+from runner.train.resume import ResumePlan, check_resume, start_branch
 from runner.train.signals import EXIT_CODES
 
 
@@ -123,8 +123,10 @@ def claim(
                 f"; resume={spec.resume} is another folder's checkpoint")
         prepare_run_dir(run_dir, overwrite, continuing=continuing, why=why)
         if continuing:
-            aside = set_aside_newer_branch(run_dir.resolve(), checkpoint, int(resume.marker["step"]))
+            loaded, aside = start_branch(run_dir.resolve(), checkpoint, int(resume.marker["step"]))
             notes += [aside] if aside else []
+            if loaded != checkpoint:  # brought back from a set-aside branch: the workers load it there
+                spec.resume = str(loaded)
         spec_path = freeze(spec, run_dir, composed, overrides, notes=chosen)
     for note in notes:  # after the folder is claimed: a refused start prints no "starting fresh"
         sys.stderr.write(f"runner: {note}\n")

@@ -9,7 +9,9 @@ one is complete (Accelerate's own `total_limit` deletes first).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +20,8 @@ from accelerate import Accelerator
 
 from runner.config.errors import UserError
 from runner.train.rng import restore_random_states
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE.json"
@@ -65,7 +69,12 @@ def save_checkpoint(
             (tmp / "run_spec.yaml").write_text(spec_yaml)  # what a resume is checked against
         # The marker is written last: a folder without it is never loaded.
         (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
+        if is_complete(final):  # another branch's step_N (a resume sets newer ones aside first): keep it
+            kept = run_dir / "abandoned" / f"replaced_{final.name}_{time.strftime('%Y%m%dT%H%M%S')}"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            final.rename(kept)
+            log.warning(f"runner: a complete {final.name} was in the way of this run's; moved it to {kept}")
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one: never loaded
         tmp.rename(final)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -216,6 +216,64 @@ def finished_message(spec: RunSpec, run_dir: Path, checkpoint: Path, marker: dic
             "every file is left as it was. To train further, raise train.max_steps (or train.num_epochs) with resume=auto.")
 
 
+def _copy_records(run_dir: Path, aside: Path) -> list[str]:
+    """Copies of the branch's metrics and of the spec it ran (this launch writes over
+    the folder's run_spec.yaml), into the folder it is set aside in."""
+    copied = []
+    for name in ("metrics.jsonl", SPEC_FILENAME):
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, aside / name)
+            copied.append(f"a copy of {name}")
+    return copied
+
+
+def in_set_aside_branch(run_dir: Path, checkpoint: Path) -> bool:
+    """Whether `checkpoint` is one of a branch this folder set aside (abandoned/X/checkpoints/step_N)."""
+    parts = checkpoint.resolve().relative_to(run_dir.resolve()).parts
+    return len(parts) == 4 and parts[0] == ABANDONED_DIRNAME and parts[2] == CHECKPOINTS_DIRNAME
+
+
+def start_branch(run_dir: Path, checkpoint: Path, step: int) -> tuple[Path, Optional[str]]:
+    """Before resuming from a checkpoint of this folder: the checkpoint to load (moved,
+    when it was set aside) and the note to print, or None when nothing moved."""
+    if in_set_aside_branch(run_dir, checkpoint):
+        return return_to_branch(run_dir, checkpoint, step)
+    return checkpoint, set_aside_newer_branch(run_dir, checkpoint, step)
+
+
+def return_to_branch(run_dir: Path, checkpoint: Path, step: int) -> tuple[Path, str]:
+    """Going back to a set-aside branch: the folder's current branch (every checkpoint,
+    its results and a copy of metrics.jsonl) goes under abandoned/ whole, since which of
+    its checkpoints the old branch shares is not recorded; the old branch's checkpoints
+    up to `step` come back into checkpoints/, and its metrics.jsonl replaces the folder's
+    (the worker cuts it back to `step`). Its later checkpoints and results stay where
+    they are, a branch of their own. Nothing is deleted or written over."""
+    run_dir, branch = run_dir.resolve(), checkpoint.resolve().parent.parent
+    current = complete_checkpoints(run_dir)
+    results = [run_dir / n for n in BRANCH_RESULTS if (run_dir / n).exists()]
+    newest = max([int(p.name[5:]) for p in current] + [_results_step(run_dir) or 0])
+    aside = run_dir / ABANDONED_DIRNAME / f"until_step_{newest}_{time.strftime('%Y%m%dT%H%M%S')}"
+    while aside.exists():  # two switches within a second
+        aside = aside.with_name(aside.name + "_")
+    (aside / CHECKPOINTS_DIRNAME).mkdir(parents=True)
+    for path in current:
+        path.rename(aside / CHECKPOINTS_DIRNAME / path.name)
+    for path in results:
+        path.rename(aside / path.name)
+    moved = [p.name for p in current] + [p.name for p in results]
+    moved += _copy_records(run_dir, aside)
+    back = [p for p in complete_checkpoints(branch) if int(p.name[5:]) <= step]
+    (run_dir / CHECKPOINTS_DIRNAME).mkdir(exist_ok=True)
+    for path in back:
+        path.rename(run_dir / CHECKPOINTS_DIRNAME / path.name)
+    if (branch / "metrics.jsonl").exists():  # that branch's own lines, not the one just set aside
+        shutil.copy2(branch / "metrics.jsonl", run_dir / "metrics.jsonl")
+    note = (f"resume: {checkpoint.name} is in the set-aside branch {branch}; set the current branch aside in {aside}"
+            f"{': ' + ', '.join(moved) if moved else ''}; moved {', '.join(p.name for p in back)} back into "
+            f"{CHECKPOINTS_DIRNAME}/ and continue that branch")
+    return run_dir / CHECKPOINTS_DIRNAME / checkpoint.name, note
+
+
 def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Optional[str]:
     """Resuming from an older checkpoint of this folder starts a new branch: move the
     newer checkpoints, and the results written after `step`, under abandoned/ (never
@@ -233,8 +291,6 @@ def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Option
     for path in results:
         path.rename(aside / path.name)
     moved = [p.name for p in newer] + [p.name for p in results]
-    if (run_dir / "metrics.jsonl").exists():  # the worker cuts the folder's copy back to `step`
-        shutil.copy2(run_dir / "metrics.jsonl", aside / "metrics.jsonl")
-        moved.append("a copy of metrics.jsonl")
+    moved += _copy_records(run_dir, aside)  # the worker cuts the folder's metrics.jsonl back to `step`
     newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
     return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"

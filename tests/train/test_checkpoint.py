@@ -235,6 +235,41 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_newer_branch_aside(tmp_path
 
 
 @pytest.mark.e2e
+def test_going_back_to_a_set_aside_branch_sets_the_current_one_aside(tmp_path):
+    """8 steps (A), a branch from step 4 to 10 (B; A's 6 and 8 set aside), then back to
+    A's step 6: B is set aside whole, A's step 6 and its metrics come back, and nothing of
+    either branch is written over or lost."""
+    run_dir = tmp_path / "run"
+    keep = ["train.save_every=2", "train.keep_checkpoints=10"]
+    done = subprocess.run(cmd(run_dir, "train.max_steps=8", *keep), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a = losses(run_dir)
+    b = subprocess.run(cmd(run_dir, "train.max_steps=10", *keep, f"resume={run_dir / 'checkpoints' / 'step_4'}"),
+                       capture_output=True, text=True, timeout=600)
+    assert b.returncode == 0, b.stderr[-3000:]
+    b_losses = losses(run_dir)
+    [a_aside] = (run_dir / "abandoned").iterdir()
+    markers = {str(p.parent.relative_to(run_dir)): p.read_text() for p in run_dir.rglob(COMPLETE_MARKER)}
+    back = subprocess.run(cmd(run_dir, "train.max_steps=10", *keep, f"resume={a_aside / 'checkpoints' / 'step_6'}"),
+                          capture_output=True, text=True, timeout=600)
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert "step_6 back into checkpoints/" in back.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_6'} at step 6" in (run_dir / "run.log").read_text()
+    [b_aside] = [p for p in (run_dir / "abandoned").iterdir() if p != a_aside]
+    assert str(b_aside) in back.stderr
+    assert sorted(p.name for p in (b_aside / "checkpoints").iterdir()) == [f"step_{n}" for n in (10, 2, 4, 6, 8)]
+    assert json.loads((b_aside / "all_results.json").read_text())["train_steps"] == 10 and (b_aside / "model").is_dir()
+    assert losses(b_aside) == b_losses  # B's metrics, whole
+    after = losses(run_dir)  # one line per step: A's up to step 6, then the new branch's
+    assert sorted(after) == list(range(1, 11)) and {s: after[s] for s in range(1, 7)} == {s: a[s] for s in range(1, 7)}
+    assert after[7] != b_losses[7]  # continued from A's weights, not B's
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_6", "step_8", "step_10"]
+    for where, text in markers.items():  # every checkpoint of both branches is still somewhere, unchanged
+        moved = [p for p in run_dir.rglob(COMPLETE_MARKER) if p.read_text() == text]
+        assert moved, f"{where} was lost"
+
+
+@pytest.mark.e2e
 def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     code, err = sigterm_after_first_log(cmd(run_dir, "train.save_every=0"), run_dir, timeout=120)

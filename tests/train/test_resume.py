@@ -98,6 +98,72 @@ def test_an_older_checkpoint_sets_the_newer_branch_aside_and_deletes_nothing(tmp
     assert set_aside_newer_branch(run_dir, run_dir / "checkpoints" / "step_4", 4) is None  # nothing newer now
 
 
+def _every_file(run_dir) -> dict[str, str]:
+    """Each file's content by name and content: what a branch switch may move, never lose."""
+    return {p.read_text(): p.name for p in run_dir.rglob("*") if p.is_file() and p.name != "metrics.jsonl"}
+
+
+def test_going_back_to_a_set_aside_branch_sets_the_current_one_aside(tmp_path):
+    import json
+
+    from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
+    from runner.train.resume import start_branch
+
+    run_dir = _folder(tmp_path, [2, 4, 6, 8], results_step=8)  # branch A: 8 steps
+    for step in (6, 8):  # tell A's checkpoints from B's
+        (run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER).write_text(json.dumps({"step": step, "b": "A"}))
+    loaded, note = start_branch(run_dir, run_dir / "checkpoints" / "step_4", 4)  # branch B from step 4
+    assert loaded == run_dir / "checkpoints" / "step_4" and "set the newer branch aside" in note
+    [a_aside] = (run_dir / "abandoned").iterdir()
+    for step in (6, 8, 10):  # B trains to 10
+        (run_dir / "checkpoints" / f"step_{step}").mkdir()
+        (run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER).write_text(json.dumps({"step": step, "b": "B"}))
+    (run_dir / "all_results.json").write_text(json.dumps({"train_steps": 10, "b": "B"}))
+    (run_dir / "model").mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "b": "B"}) + "\n" for s in range(1, 11)))
+    before = _every_file(run_dir)
+
+    loaded, note = start_branch(run_dir, a_aside / "checkpoints" / "step_6", 6)  # back to A at step 6
+    assert loaded == run_dir / "checkpoints" / "step_6"
+    assert json.loads((loaded / COMPLETE_MARKER).read_text())["b"] == "A"
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_6"]  # resume=auto and pruning see A only
+    assert sorted(p.name for p in (a_aside / "checkpoints").iterdir()) == ["step_8"]  # A's later part stays aside
+    [b_aside] = [p for p in (run_dir / "abandoned").iterdir() if p != a_aside]
+    assert sorted(p.name for p in (b_aside / "checkpoints").iterdir()) == ["step_10", "step_2", "step_4", "step_6", "step_8"]
+    assert json.loads((b_aside / "all_results.json").read_text())["b"] == "B" and (b_aside / "model").is_dir()
+    assert not (run_dir / "all_results.json").exists() and not (run_dir / "model").exists()
+    assert '"b": "B"' in (b_aside / "metrics.jsonl").read_text()
+    assert (run_dir / "metrics.jsonl").read_text() == (a_aside / "metrics.jsonl").read_text()  # A's own lines
+    assert _every_file(run_dir) == before  # moved, not one file lost or written over
+    assert str(b_aside) in note and "step_6 back into checkpoints/" in note
+
+
+def test_a_resume_from_a_copy_elsewhere_in_the_folder_is_not_in_place(tmp_path):
+    from runner.launch.rundir import continues_in_place
+
+    run_dir = _folder(tmp_path, [4])
+    assert continues_in_place(run_dir, run_dir / "abandoned" / "after_step_2_x" / "checkpoints" / "step_3")
+    assert not continues_in_place(run_dir, run_dir / "mine" / "step_4")
+
+
+def test_a_save_never_writes_over_another_branchs_complete_checkpoint(tmp_path):
+    import json
+
+    import torch
+    from accelerate import Accelerator
+
+    from runner.train.checkpoint import COMPLETE_MARKER, save_checkpoint
+
+    run_dir = _folder(tmp_path, [4])
+    (run_dir / "checkpoints" / "step_4" / COMPLETE_MARKER).write_text(json.dumps({"step": 4, "b": "other"}))
+    accelerator = Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(torch.nn.Linear(2, 2))
+    save_checkpoint(accelerator, run_dir, 4, keep=3)
+    [kept] = (run_dir / "abandoned").iterdir()
+    assert kept.name.startswith("replaced_step_4_") and json.loads((kept / COMPLETE_MARKER).read_text())["b"] == "other"
+    assert json.loads((run_dir / "checkpoints" / "step_4" / COMPLETE_MARKER).read_text()) == {"step": 4}
+
+
 def test_resuming_the_newest_checkpoint_sets_nothing_aside(tmp_path):
     from runner.train.resume import set_aside_newer_branch
 
