@@ -106,7 +106,9 @@ def claim(
             "(the same on every node's command line)."
         )
     samples = None if spec.data.streaming else len(data.train)  # a stream's length is unknown
-    resume = check_resume(spec, run_dir.resolve(), world, train_samples=samples) if spec.resume is not None else ResumePlan()
+    key = None if spec.data.streaming else data.cache_path.name  # which blocks the position indexes
+    resume = (check_resume(spec, run_dir.resolve(), world, train_samples=samples, data_key=key)
+              if spec.resume is not None else ResumePlan())
     if resume.finished:
         sys.stderr.write(f"runner: {resume.finished}\n")  # before anything is written: the folder stays byte-identical
         return None

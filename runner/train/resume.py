@@ -146,8 +146,20 @@ class ResumePlan:
     finished: Optional[str] = None
 
 
+def data_changes(spec: RunSpec, marker: dict[str, Any], data_key: Optional[str]) -> tuple[list[str], list[str]]:
+    """(breaking, harmless): the data a checkpoint's position indexes against today's.
+    Checkpoints from before these were recorded carry neither, and are not checked."""
+    if spec.data.streaming and "data_files" in marker:
+        return training_files_changes(marker["data_files"], training_files(spec.data))
+    if not spec.data.streaming and data_key and marker.get("data_key", data_key) != data_key:
+        return [f"the training data: its tokenized blocks differ from the checkpoint's (cache key {marker['data_key']} "
+                f"-> {data_key}: a file's content, the tokenizer or the block size changed), and the position is a "
+                "sample of the blocks as they were. Restore the data, or start a new run folder"], []
+    return [], []
+
+
 def check_resume(
-    spec: RunSpec, run_dir: Path, world_size: int, train_samples: Optional[int] = None
+    spec: RunSpec, run_dir: Path, world_size: int, train_samples: Optional[int] = None, data_key: Optional[str] = None,
 ) -> ResumePlan:
     """Launcher-side: the checkpoint and notes to print, or a UserError naming what changed."""
     path = resolve(spec, run_dir)
@@ -163,9 +175,8 @@ def check_resume(
 
     marker = read_marker(path)
     breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, train_samples, marker)
-    if spec.data.streaming and "data_files" in marker:  # older checkpoints did not record them
-        changed, resized = training_files_changes(marker["data_files"], training_files(spec.data))
-        breaking, harmless = breaking + changed, harmless + resized
+    changed, named = data_changes(spec, marker, data_key)
+    breaking, harmless = breaking + changed, harmless + named
     if breaking:
         raise UserError(
             f"cannot resume {path}: these changes would break the run's math: {'; '.join(breaking)}. "

@@ -93,7 +93,7 @@ class Trainer:
         peak_flops: float = 0.0,
         max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
         stream: bool = False,
-        data_files: Optional[list[list[Any]]] = None,
+        data_record: Optional[dict[str, Any]] = None,
     ) -> None:
         self.accelerator = accelerator
         self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
@@ -127,7 +127,8 @@ class Trainer:
         # data.streaming=true: train_loader is this rank's own stateful loader (not prepared
         # by Accelerate), its position saved with each checkpoint (see _stream_batches).
         self.stream = stream
-        self.data_files = data_files  # a stream's training files, [path, bytes]: a resume checks them
+        # Which data the position indexes (a stream's files, the cached blocks' key): a resume checks it
+        self.data_record = data_record or {}
         self.data_wait = 0.0  # seconds spent waiting for training batches, after the first
         self.first_batch_wait: Optional[float] = None  # opening the data (a stream reads its first window)
 
@@ -273,8 +274,7 @@ class Trainer:
             "pending_loss_count": s.loss_count,
             "skipped_steps": s.skipped_steps,
         }
-        if self.data_files is not None:
-            meta["data_files"] = self.data_files
+        meta.update(self.data_record)
         rank_state = {"data": self.train_loader.state_dict()} if self.stream else None
         self.last_checkpoint = save_checkpoint(
             self.accelerator, self.run_dir, s.step, self.keep_checkpoints, meta, spec_yaml=self.spec_yaml,

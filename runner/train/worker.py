@@ -142,7 +142,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
         stream=data.source if streamed else "",
     )
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
-                           loaders.sampler, plan, built.config, block_size, run_dir, optimizer_in_use)
+                           loaders.sampler, plan, built.config, block_size, run_dir, optimizer_in_use,
+                           data_record(spec, data))
     restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
@@ -256,9 +257,18 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
     return model, optimizer, train_loader, eval_loader, in_use
 
 
+def data_record(spec: RunSpec, data: PreparedData | StreamedData) -> dict[str, Any]:
+    """What a checkpoint's data position indexes, for a resume to check (runner/train/resume.py):
+    a stream's files in their order, or the cached blocks' key (tokenizer, block size, the
+    files' sha256)."""
+    if isinstance(data, StreamedData):
+        return {"data_files": training_files(spec.data)}
+    return {"data_key": data.cache_path.name}
+
+
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
                  train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, config: Any,
-                 block_size: int, run_dir: Path, optimizer_in_use: str) -> Trainer:
+                 block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any]) -> Trainer:
     t = spec.train
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
@@ -277,7 +287,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         log_every=t.log_every, eval_every=t.eval_every, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
         sampler=sampler,
         stream=isinstance(sampler, BlockStream),
-        data_files=training_files(spec.data) if spec.data.streaming else None,
+        data_record=data_record,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model))),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown

@@ -451,3 +451,31 @@ def test_a_layout_change_with_dropout_on_says_it_cannot_be_exact(tmp_path):
     assert other.returncode == 0, other.stderr[-3000:]
     assert "accepted change layout 1x4x1 -> 1x2x2" in other.stderr
     assert "with dropout on (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1" in other.stderr and "not exact" in other.stderr
+
+
+@pytest.mark.e2e
+def test_a_resume_on_changed_training_data_is_refused(tmp_path):
+    """The position is a sample of the tokenized blocks: a file edited between save and
+    resume gives other blocks (other cache key), so the resume would train other samples."""
+    import gzip
+
+    from runner.config.paths import asset_path
+
+    with gzip.open(asset_path("austen.txt.gz"), "rt", encoding="utf-8") as handle:
+        text = "".join(line for _, line in zip(range(3000), handle))
+    train = tmp_path / "train.txt"
+    train.write_text(text)
+    run_dir = tmp_path / "run"
+    data = [f"data.train_file={train}", "train.max_steps=4", "train.save_every=2"]
+    done = subprocess.run(cmd(run_dir, *data), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train.write_text(text.replace("Elinor", "Eleanor"))
+    refused = subprocess.run(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"), capture_output=True, text=True,
+                             timeout=600)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "the training data: its tokenized blocks differ from the checkpoint's" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    train.write_text(text)  # restored: the same blocks, resumed
+    again = subprocess.run(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"), capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
