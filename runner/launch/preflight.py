@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -231,14 +231,24 @@ def prepare_data(spec: RunSpec, world_size: int = 1) -> PreparedData | StreamedD
     tokenizer = build_tokenizer(spec.model)
     block_size = resolve_block_size(spec.data, max_positions(build_config(spec.model)), tokenizer.model_max_length)
     if spec.data.streaming:
-        per_step = spec.train.per_device_batch_size * spec.train.grad_accum_steps
         try:
             streamed = open_stream(spec.data, tokenizer, block_size, spec.train.seed)
-            for rank in range(world_size):  # each rank's own share: the last is often the shortest
-                share = streamed if world_size == 1 else open_stream(
-                    spec.data, tokenizer, block_size, spec.train.seed, rank=rank, world_size=world_size)
-                first_step(share, spec.data, per_step, rank, world_size)
-        except BadRecord as err:  # in the evaluation blocks or the first window: before any worker starts
+        except BadRecord as err:  # in the evaluation blocks: before any worker starts
             raise UserError(err.line) from None
+        check_stream_step(spec, world_size, streamed, tokenizer)
         return streamed
     return prepare(spec.data, tokenizer, block_size)
+
+
+def check_stream_step(spec: RunSpec, world_size: int, streamed: StreamedData, tokenizer: Any = None) -> None:
+    """Each rank's share of the stream holds one optimizer step (micro-batch x accumulation),
+    read now; called again once an auto micro-batch is chosen. `streamed`: rank 0's of one."""
+    tokenizer = tokenizer or build_tokenizer(spec.model)
+    per_step = spec.train.per_device_batch_size * spec.train.grad_accum_steps
+    try:
+        for rank in range(world_size):  # each rank's own share: the last is often the shortest
+            share = streamed if world_size == 1 else open_stream(
+                spec.data, tokenizer, streamed.block_size, spec.train.seed, rank=rank, world_size=world_size)
+            first_step(share, spec.data, per_step, rank, world_size)
+    except BadRecord as err:  # in the first window: before any worker starts
+        raise UserError(err.line) from None

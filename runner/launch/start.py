@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from runner.components.stream import StreamedData
 from runner.config.batch import accumulation_for
 from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
 from runner.config.spec import RunSpec, StrategyKind
@@ -25,7 +26,7 @@ from runner.launch.accelerate_config import apply_accelerate_config
 from runner.launch import auto_batch, fit
 from runner.launch.dry_run import report
 from runner.launch.launcher import launch
-from runner.launch.preflight import prepare_data, validate
+from runner.launch.preflight import check_stream_step, prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
 from runner.train.resume import ResumePlan, check_resume, start_branch
 from runner.train.signals import EXIT_CODES
@@ -97,6 +98,8 @@ def claim(
             run_dir.rmdir()  # Hydra made it; a dry run leaves nothing behind
         return None
     chosen = [auto_batch.choose(spec, planner, room, world, launch)] if auto else []
+    if auto and isinstance(data, StreamedData):  # checked above at a micro-batch of 1
+        check_stream_step(spec, world, data)
     for line in chosen:
         sys.stderr.write(f"runner: {line}\n")
     fit.check_fit(spec, planner, room)
