@@ -227,15 +227,24 @@ def finished_message(spec: RunSpec, run_dir: Path, checkpoint: Path, marker: dic
             "every file is left as it was. To train further, raise train.max_steps (or train.num_epochs) with resume=auto.")
 
 
-def _copy_records(run_dir: Path, aside: Path) -> list[str]:
-    """Copies of the branch's metrics and of the spec it ran (this launch writes over
-    the folder's run_spec.yaml), into the folder it is set aside in."""
-    copied = []
-    for name in ("metrics.jsonl", SPEC_FILENAME):
-        if (run_dir / name).exists():
-            shutil.copy2(run_dir / name, aside / name)
-            copied.append(f"a copy of {name}")
-    return copied
+def _set_aside(run_dir: Path, name: str, checkpoints: list[Path], results: list[Path]) -> tuple[Path, list[str]]:
+    """Move a branch's checkpoints and results to abandoned/<name>_<time>/, with copies of
+    its metrics and of the spec it ran (this launch writes over the folder's
+    run_spec.yaml); (that folder, what went there)."""
+    aside = run_dir / ABANDONED_DIRNAME / f"{name}_{time.strftime('%Y%m%dT%H%M%S')}"
+    while aside.exists():  # two resumes within a second
+        aside = aside.with_name(aside.name + "_")
+    (aside / CHECKPOINTS_DIRNAME).mkdir(parents=True)
+    for path in checkpoints:
+        path.rename(aside / CHECKPOINTS_DIRNAME / path.name)
+    for path in results:
+        path.rename(aside / path.name)
+    moved = [p.name for p in checkpoints] + [p.name for p in results]
+    for record in ("metrics.jsonl", SPEC_FILENAME):
+        if (run_dir / record).exists():
+            shutil.copy2(run_dir / record, aside / record)
+            moved.append(f"a copy of {record}")
+    return aside, moved
 
 
 def in_set_aside_branch(run_dir: Path, checkpoint: Path) -> bool:
@@ -263,16 +272,7 @@ def return_to_branch(run_dir: Path, checkpoint: Path, step: int) -> tuple[Path, 
     current = complete_checkpoints(run_dir)
     results = [run_dir / n for n in BRANCH_RESULTS if (run_dir / n).exists()]
     newest = max([int(p.name[5:]) for p in current] + [_results_step(run_dir) or 0])
-    aside = run_dir / ABANDONED_DIRNAME / f"until_step_{newest}_{time.strftime('%Y%m%dT%H%M%S')}"
-    while aside.exists():  # two switches within a second
-        aside = aside.with_name(aside.name + "_")
-    (aside / CHECKPOINTS_DIRNAME).mkdir(parents=True)
-    for path in current:
-        path.rename(aside / CHECKPOINTS_DIRNAME / path.name)
-    for path in results:
-        path.rename(aside / path.name)
-    moved = [p.name for p in current] + [p.name for p in results]
-    moved += _copy_records(run_dir, aside)
+    aside, moved = _set_aside(run_dir, f"until_step_{newest}", current, results)
     back = [p for p in complete_checkpoints(branch) if int(p.name[5:]) <= step]
     (run_dir / CHECKPOINTS_DIRNAME).mkdir(exist_ok=True)
     for path in back:
@@ -295,13 +295,6 @@ def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Option
     results = [run_dir / n for n in BRANCH_RESULTS if (run_dir / n).exists()] if (results_step or 0) > step else []
     if checkpoint.parent != run_dir / CHECKPOINTS_DIRNAME or not (newer or results):
         return None
-    aside = run_dir / ABANDONED_DIRNAME / f"after_step_{step}_{time.strftime('%Y%m%dT%H%M%S')}"
-    (aside / CHECKPOINTS_DIRNAME).mkdir(parents=True)
-    for path in newer:
-        path.rename(aside / CHECKPOINTS_DIRNAME / path.name)
-    for path in results:
-        path.rename(aside / path.name)
-    moved = [p.name for p in newer] + [p.name for p in results]
-    moved += _copy_records(run_dir, aside)  # the worker cuts the folder's metrics.jsonl back to `step`
+    aside, moved = _set_aside(run_dir, f"after_step_{step}", newer, results)  # the worker cuts metrics.jsonl to `step`
     newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
     return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"

@@ -52,6 +52,17 @@ def write_jsonl(path: Path, rows: list[str], opener=open) -> Path:
     return path
 
 
+def split_files(tmp_path: Path, lines: list[str], files: int) -> tuple[str, str]:
+    """The lines in `files` jsonl files under p/, and a validation file: (glob, validation path)."""
+    (tmp_path / "p").mkdir()
+    per = len(lines) // files
+    for i in range(files):
+        write_jsonl(tmp_path / "p" / f"{i}.jsonl", lines[i * per:(i + 1) * per])
+    validation = tmp_path / "val.txt"
+    validation.write_text("Validation text, separate from training. " * 30)
+    return str(tmp_path / "p" / "*.jsonl"), str(validation)
+
+
 def test_unshuffled_stream_yields_the_cached_paths_blocks_in_order(tokenizer, tmp_path):
     corpus = str(asset_path("austen.txt.gz"))
     validation = tmp_path / "val.txt"
@@ -100,14 +111,9 @@ def test_held_out_blocks_are_the_streams_head_and_never_trained_on(tokenizer, li
 def test_each_rank_reads_its_own_share_and_every_block_once(tokenizer, lines, tmp_path, files, held_out):
     """By whole files when they divide by the world size, else every world-th block; with
     blocks held out of the training stream, every rank skips them (no leak into training)."""
-    (tmp_path / "p").mkdir()
-    per = len(lines) // files
-    for i in range(files):
-        write_jsonl(tmp_path / "p" / f"{i}.jsonl", lines[i * per:(i + 1) * per])
-    validation = tmp_path / "val.txt"
-    validation.write_text("Validation text, separate from training. " * 30)
-    spec = DataSpec(train_file=str(tmp_path / "p" / "*.jsonl"), streaming=True, shuffle_buffer=0, validation_blocks=5,
-                    validation_file=None if held_out else str(validation))
+    pattern, validation = split_files(tmp_path, lines, files)
+    spec = DataSpec(train_file=pattern, streaming=True, shuffle_buffer=0, validation_blocks=5,
+                    validation_file=None if held_out else validation)
     one = open_stream(spec, tokenizer, BLOCK, 0)
     everything = blocks(one.train)
     shares = [blocks(open_stream(spec, tokenizer, BLOCK, 0, rank=r, world_size=2).train) for r in range(2)]
@@ -178,14 +184,8 @@ def test_a_restored_position_continues_at_the_exact_next_block(tokenizer, lines,
 def test_every_ranks_restored_position_is_exact_in_a_later_window(tokenizer, lines, tmp_path, files, validation_file):
     """Each of two ranks, cut in its third shuffle window, continues with exactly its own
     blocks: whole files per rank or every other block, held-out head or validation file."""
-    (tmp_path / "p").mkdir()
-    per = len(lines) // files
-    for i in range(files):
-        write_jsonl(tmp_path / "p" / f"{i}.jsonl", lines[i * per:(i + 1) * per])
-    validation = tmp_path / "val.txt"
-    validation.write_text("Validation text, separate from training. " * 30)
-    spec = stream_spec(str(tmp_path / "p" / "*.jsonl"), shuffle_buffer=4, validation_blocks=8,
-                       validation_file=str(validation) if validation_file else None)
+    pattern, validation = split_files(tmp_path, lines, files)
+    spec = stream_spec(pattern, shuffle_buffer=4, validation_blocks=8, validation_file=validation if validation_file else None)
     for rank in range(2):
         for cut in (3, 5):  # 9 and 15 blocks: inside the third and at the fourth window's end (3 a batch)
             whole, resumed = resumed_batches(spec, tokenizer, workers=0, cut=cut, epoch=1, rank=rank, world_size=2)
