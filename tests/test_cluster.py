@@ -162,7 +162,7 @@ def test_the_documented_sbatch_script_trains_across_both_nodes(cluster, single_h
     started = time.monotonic()
     job = _slurm(cluster, "sbatch", "-N", "2", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
     elapsed = time.monotonic() - started
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert "ddp on 2 process(es)" in log, log[-3000:]
     got = losses(tmp_path / "runs" / job)
     delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
@@ -189,7 +189,7 @@ def test_srun_with_one_task_per_gpu_joins_as_one_rank_per_task(cluster, single_h
     )
     started = time.monotonic()
     job = _slurm(cluster, "sbatch", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert "ddp on 4 process(es)" in log, log[-3000:]
     got = losses(tmp_path / "runs" / job)
     delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
@@ -244,12 +244,12 @@ def test_a_requeued_job_resumes_by_itself_and_matches_an_uninterrupted_run(clust
         _wait("three steps trained", lambda: len(_losses_by_step(run_dir)) >= 3, 600)
         requeued = time.monotonic()
         _slurm(cluster, "scontrol", "requeue", job)
-        _wait("resumed after the requeue", lambda: "resumed from" in log.read_text(), 600)
+        _wait("resumed after the requeue", lambda: "resumed from" in log.read_text(errors="replace"), 600)
         resumed = time.monotonic()
         _wait("job completed", lambda: "JobState=COMPLETED" in _slurm(cluster, "scontrol", "show", "job", job), 600, every=2)
     finally:
         subprocess.run(["scancel", job], env=cluster, capture_output=True)
-    text = log.read_text()
+    text = log.read_text(errors="replace")
     stopped = [line for line in text.splitlines() if line.startswith("runner: stopped by SIGTERM at step")]
     assert stopped, text[-3000:]
     at_step = int(stopped[0].split("at step ")[1].split(";")[0])
