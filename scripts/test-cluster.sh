@@ -7,6 +7,8 @@
 #   scripts/test-cluster.sh status  sinfo, or "down"
 #   scripts/test-cluster.sh env     the line to source before sinfo/sbatch/srun/sacct:
 #                                   eval "$(scripts/test-cluster.sh env)"
+#   scripts/test-cluster.sh check   exit 0 if the packages below are in, else name them (no root needed)
+#   scripts/test-cluster.sh install apt-get install them if any is missing (root, Debian)
 #
 # Layout: a bridge rtc-br0 (10.213.0.1/24, the controller's address) in this namespace;
 # two network namespaces rtc-node1 (10.213.0.11) and rtc-node2 (10.213.0.12), each joined
@@ -17,6 +19,11 @@
 # (removed by down when up made them).
 # Needs: apt-get install -y slurm-wlm munge slurmdbd mariadb-server
 set -euo pipefail
+
+PACKAGES=(slurm-wlm munge slurmdbd mariadb-server)
+# What up runs from them; the daemons are in sbin, which a user's PATH may lack.
+TOOLS=(munged slurmctld slurmd slurmdbd mariadbd mariadb-install-db sinfo)
+PATH=$PATH:/usr/sbin:/sbin
 
 STATE=${RTC_STATE:-/run/runner-test-cluster}
 SUBNET=10.213.0
@@ -33,12 +40,26 @@ need_root() {
     [ "$(id -u)" = 0 ] || die "needs root (it creates network namespaces, a bridge and daemons): run it with sudo."
 }
 
-need_packages() {
-    local missing=()
-    for tool in munged slurmctld slurmd slurmdbd mariadbd mariadb-install-db sinfo; do
+# check: say what is missing and how to install it; false if anything is.
+check() {
+    local missing=() tool
+    for tool in "${TOOLS[@]}"; do
         command -v "$tool" >/dev/null || missing+=("$tool")
     done
-    [ ${#missing[@]} -eq 0 ] || die "missing ${missing[*]}: apt-get update && apt-get install -y slurm-wlm munge slurmdbd mariadb-server"
+    [ ${#missing[@]} -eq 0 ] || { say "missing ${missing[*]}: apt-get update && apt-get install -y ${PACKAGES[*]}"; return 1; }
+}
+
+need_packages() {
+    check || exit 1
+}
+
+install_packages() {
+    check 2>/dev/null && return 0
+    need_root
+    command -v apt-get >/dev/null || die "no apt-get here: install the equivalents of ${PACKAGES[*]} (Debian names)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PACKAGES[@]}" >/dev/null
+    check
 }
 
 node_ip() { echo "$SUBNET.$((11 + $1))"; }
@@ -256,5 +277,7 @@ case "${1:-}" in
     down) down ;;
     status) if [ -f "$SLURM_CONF" ] && sinfo -N 2>/dev/null; then :; else echo down; fi ;;
     env) echo "export SLURM_CONF=$SLURM_CONF" ;;
-    *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+    check) check ;;
+    install) install_packages ;;
+    *) echo "usage: $0 up|down|status|env|check|install" >&2; exit 2 ;;
 esac

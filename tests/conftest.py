@@ -133,8 +133,10 @@ TIERS = ("unit", "e2e", "multiprocess", "cluster")
 _MANY_WORKERS = ("nproc_per_node=2", "nproc_per_node=3", "nproc_per_node=4", "--nproc-per-node", "--nproc_per_node",
                  "torchrun", "nnodes=2", "--num_processes")
 # Children that are tools, not runs: DeepSpeed JIT-compiles its CPU ops once per machine,
-# and libraries probe the machine (uname, ldconfig); they cost no tier.
-_TOOLS = {"gcc", "g++", "cc", "c++", "ld", "ninja", "nvcc", "uname", "ldconfig", "lscpu", "numactl", "nvidia-smi", "which", "git"}
+# and libraries probe the machine (uname, ldconfig; matplotlib's fc-list when it first
+# builds a user's font cache); they cost no tier.
+_TOOLS = {"gcc", "g++", "cc", "c++", "ld", "ninja", "nvcc", "uname", "ldconfig", "lscpu", "numactl", "nvidia-smi", "which", "git",
+          "fc-list"}
 _CLUSTER = ("srun", "sbatch", "squeue", "scontrol", "sacct", "ip netns", "test-cluster.sh", "nsenter")
 
 

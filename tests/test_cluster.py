@@ -4,14 +4,17 @@
 (10.213.0.11) and rtc-node2 (10.213.0.12), on a private bridge, each with one slurmd.
 The commands of docs/clusters-and-slurm.md run in them and must reproduce single-host ddp. Traffic goes
 only between those namespaces and the bridge (they have no other route). Needs root and
-the Debian packages `.ci/run` installs; skipped, with the reason, only without root or
-without the privilege to create network namespaces.
+the Debian packages `scripts/test.sh` installs as root where apt-get exists. Skipped, with
+the reason and what to install, only where they cannot be had here: without root, without
+the privilege to create network namespaces, or without the packages and apt-get.
+RUNNER_CLUSTER_TESTS=required (CI) turns a skip into an error.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,13 +34,21 @@ NODE0 = "10.213.0.11"
 TWO_HOSTS = ["launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint={NODE0}:29500", "launch.rdzv_timeout=300"]
 
 
-def _missing_privilege() -> str | None:
+def _why_not_here() -> str | None:
+    """Why the cluster cannot be built on this machine, naming what to install; None if it can.
+    As root with apt-get, missing packages are no reason: scripts/test.sh installs them, and
+    without it `up` fails saying what to install."""
+    check = subprocess.run([str(SCRIPT), "check"], capture_output=True, text=True)
+    packages = check.stderr.strip().removeprefix("test-cluster: ") if check.returncode else None
+    also = f"; and {packages}" if packages else ""
     if os.geteuid() != 0:
-        return "the cluster tests need root (network namespaces, a bridge, Slurm daemons)"
+        return f"the cluster tests need root (network namespaces, a bridge, Slurm daemons){also}"
+    if packages and shutil.which("apt-get") is None:
+        return f"no apt-get here to install the cluster's Debian packages: {packages}"
     probe = f"rtc-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
-        return f"no privilege to create network namespaces here: {made.stderr.strip()}"
+        return f"no privilege to create network namespaces here: {made.stderr.strip()}{also}"
     subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
     return None
 
@@ -45,7 +56,9 @@ def _missing_privilege() -> str | None:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[dict[str, str]]:
     """The two-node cluster, up once for the session and always torn down."""
-    reason = _missing_privilege()
+    reason = _why_not_here()
+    if reason and os.environ.get("RUNNER_CLUSTER_TESTS") == "required":
+        pytest.fail(f"RUNNER_CLUSTER_TESTS=required, but {reason}", pytrace=False)
     if reason:
         print(f"\nskipping the cluster tests: {reason}", file=sys.stderr)
         pytest.skip(reason)
@@ -149,7 +162,7 @@ def test_the_documented_sbatch_script_trains_across_both_nodes(cluster, single_h
     started = time.monotonic()
     job = _slurm(cluster, "sbatch", "-N", "2", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
     elapsed = time.monotonic() - started
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert "ddp on 2 process(es)" in log, log[-3000:]
     got = losses(tmp_path / "runs" / job)
     delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
@@ -176,7 +189,7 @@ def test_srun_with_one_task_per_gpu_joins_as_one_rank_per_task(cluster, single_h
     )
     started = time.monotonic()
     job = _slurm(cluster, "sbatch", "--parsable", "--wait", str(script), timeout=900).strip().split(";")[0]
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert "ddp on 4 process(es)" in log, log[-3000:]
     got = losses(tmp_path / "runs" / job)
     delta = max(abs(a - b) for a, b in zip(got, single_host_ddp))
@@ -231,12 +244,12 @@ def test_a_requeued_job_resumes_by_itself_and_matches_an_uninterrupted_run(clust
         _wait("three steps trained", lambda: len(_losses_by_step(run_dir)) >= 3, 600)
         requeued = time.monotonic()
         _slurm(cluster, "scontrol", "requeue", job)
-        _wait("resumed after the requeue", lambda: "resumed from" in log.read_text(), 600)
+        _wait("resumed after the requeue", lambda: "resumed from" in log.read_text(errors="replace"), 600)
         resumed = time.monotonic()
         _wait("job completed", lambda: "JobState=COMPLETED" in _slurm(cluster, "scontrol", "show", "job", job), 600, every=2)
     finally:
         subprocess.run(["scancel", job], env=cluster, capture_output=True)
-    text = log.read_text()
+    text = log.read_text(errors="replace")
     stopped = [line for line in text.splitlines() if line.startswith("runner: stopped by SIGTERM at step")]
     assert stopped, text[-3000:]
     at_step = int(stopped[0].split("at step ")[1].split(";")[0])

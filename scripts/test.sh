@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set this machine up for the tests and run them: the README's test command, and what
+# CI runs (.ci/run calls this script).
+#
+#   scripts/test.sh         every tier: unit, e2e and multiprocess on two pytest-xdist
+#                           workers, then the cluster tier alone
+#   scripts/test.sh unit    the unit tier only (a minute; once set up, `python -m pytest`)
+#
+# Set-up, with the pip of the python that runs this (a venv's, if one is active):
+# - torch==2.13.0 (the CPU build) only when no torch is installed: on a GPU machine,
+#   install the torch build you want first and it is kept;
+# - the project, editable, with its dev extras; then deepspeed (its sdist imports torch
+#   while building, hence --no-build-isolation, after torch);
+# - for the cluster tier, as root where apt-get exists, the Debian packages of
+#   scripts/test-cluster.sh when any is missing. Elsewhere (not root, not Debian) the
+#   cluster tests skip, naming what to install.
+# Exits non-zero if any tier fails (pytest's exit 5, no tests collected, counts as failing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+case "${1:-all}" in
+    all | unit) tiers=${1:-all} ;;
+    *) echo "usage: $0 [all|unit]" >&2; exit 2 ;;
+esac
+
+python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' ||
+    python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[dev]"
+python -m pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
+if [ "$tiers" = all ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    scripts/test-cluster.sh install
+fi
+python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|accelerate|deepspeed|hydra-core|omegaconf) '
+
+if [ "$tiers" = unit ]; then
+    exec python -m pytest -m unit
+fi
+# Both tiers run even when the first fails; the cluster tier alone, because under the
+# other tests' load its two-host run lost a worker once.
+status=0
+python -m pytest -m "unit or e2e or multiprocess" -n 2 || status=$?
+python -m pytest -m cluster || status=$?
+exit "$status"
