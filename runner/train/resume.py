@@ -26,6 +26,7 @@ from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 from runner.train.checkpoint import (
     CHECKPOINTS_DIRNAME,
+    COMPLETE_MARKER,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
@@ -178,9 +179,26 @@ def resolve(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     if spec.resume != "auto":
         path = Path(spec.resume).expanduser().resolve()
         if not is_complete(path):
-            raise UserError(f"resume={spec.resume}: not a complete checkpoint (no COMPLETE.json marker in it).")
+            raise UserError(not_a_checkpoint(spec.resume, path))
         return path
     return latest_checkpoint(run_dir)
+
+
+def not_a_checkpoint(given: str, path: Path) -> str:
+    """Why resume=PATH cannot be used, and what to pass instead: PATH missing, a run
+    folder (or its checkpoints/) rather than one of its checkpoints, or an incomplete save."""
+    how = "pass one of its checkpoints (resume=RUN_DIR/checkpoints/step_N), or resume=auto with hydra.run.dir=RUN_DIR"
+    if not path.exists():
+        where = "" if str(path) == given else f" ({path})"
+        return f"resume={given}: no such folder{where}. To continue a run, {how}."
+    run_dir = path.parent if path.name == CHECKPOINTS_DIRNAME else path
+    if (run_dir / CHECKPOINTS_DIRNAME).is_dir() or (run_dir / SPEC_FILENAME).is_file():
+        newest = latest_checkpoint(run_dir)
+        which = f"resume={newest} (its newest)" if newest else "one of its checkpoints (it holds no complete one yet)"
+        return (f"resume={given} is a run folder, not a checkpoint: pass {which}, or continue the run with "
+                f"resume=auto hydra.run.dir={run_dir}.")
+    return (f"resume={given}: not a complete checkpoint (no {COMPLETE_MARKER} in it: an interrupted save, or not a "
+            f"checkpoint). To continue a run, {how}.")
 
 
 def describe_fresh_start(run_dir: Path) -> str:
