@@ -1,5 +1,6 @@
 """What a resume may change: every setting of the spec decided, operational ones accepted
-and printed, bookkeeping neither refused nor printed, the math refused."""
+and printed, bookkeeping neither refused nor printed, the math refused; and what
+resume=PATH must name."""
 
 from __future__ import annotations
 
@@ -77,3 +78,25 @@ def test_a_resume_into_a_new_folder_with_a_longer_timeout_prints_that_change_onl
                         "runner: resume: accepted change tracking: 'tensorboard' -> 'none'",
                         "runner: resume: accepted change train.max_steps: 4 -> 6"]
     assert (second / "all_results.json").is_file()
+
+
+def test_resume_of_a_run_folder_names_its_newest_checkpoint_and_resume_auto(compose_spec, tmp_path):
+    """resume= a run folder (or its checkpoints/) is not a checkpoint: say which to pass."""
+    import json
+
+    from runner.config.errors import UserError
+    from runner.train.checkpoint import COMPLETE_MARKER
+    from runner.train.resume import resolve
+
+    run_dir = tmp_path / "run"
+    for step in (4, 8):
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step}" / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+    for given in (run_dir, run_dir / "checkpoints"):
+        with pytest.raises(UserError) as err:
+            resolve(compose_spec(f"resume={given}"), tmp_path / "new")
+        assert str(err.value) == (f"resume={given} is a run folder, not a checkpoint: pass resume={run_dir}/checkpoints/"
+                                  f"step_8 (its newest), or continue the run with resume=auto hydra.run.dir={run_dir}.")
+    (run_dir / "checkpoints" / ".tmp_step_12").mkdir()
+    with pytest.raises(UserError, match="not a complete checkpoint .no COMPLETE.json in it: an interrupted save"):
+        resolve(compose_spec(f"resume={run_dir / 'checkpoints' / '.tmp_step_12'}"), tmp_path / "new")
