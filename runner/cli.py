@@ -29,6 +29,7 @@ from typing import Any, NoReturn, Optional  # noqa: E402
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
+from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
@@ -87,6 +88,19 @@ def report_failed_run(err: RunFailed) -> NoReturn:
     raise SystemExit(1) from None
 
 
+class RunFolderWatch(Callback):
+    """Notes, before Hydra creates hydra.run.dir (run_job does, before the task), the
+    outermost folder of it that is not there yet (conf/config.yaml's hydra.callbacks), so
+    a refused run can remove what it made and nothing that was there before."""
+
+    made: Optional[Path] = None
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from runner.launch.rundir import first_missing
+
+        RunFolderWatch.made = first_missing(Path(str(config.hydra.run.dir)))
+
+
 def _hydra_task(cfg: Any) -> None:
     hydra_cfg = HydraConfig.get()
     chosen = any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in hydra_cfg.overrides.hydra)
@@ -105,6 +119,9 @@ def _hydra_task(cfg: Any) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         run_sweep_job(make_spec, job_dir, Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num), overrides, cfg, chosen)
         return
+    from runner.launch.rundir import remove_if_unused
+
+    made, RunFolderWatch.made = RunFolderWatch.made, None
     try:
         spec = make_spec()
         start(spec, job_dir, spec.overwrite, cfg, tuple(overrides), chosen)
@@ -112,6 +129,8 @@ def _hydra_task(cfg: Any) -> None:
         refuse(err)  # exit here: Hydra would print "Error executing job" first
     except RunFailed as err:
         report_failed_run(err)
+    finally:  # a refused or dry run wrote nothing: the folders Hydra made for it go
+        remove_if_unused(job_dir, made)
 
 
 def _run_spec_file(argv: list[str]) -> None:

@@ -21,7 +21,7 @@ def assert_refused(capsys, tmp_path, *args, expect):
     assert "Traceback" not in err
     for text in ([expect] if isinstance(expect, str) else expect):
         assert text in err, err
-    assert not (run_dir / "run_spec.yaml").exists()  # no worker started, nothing frozen
+    assert not run_dir.exists()  # no worker started, nothing frozen, not even the empty folder Hydra made
     return err
 
 
@@ -79,6 +79,38 @@ def test_every_problem_at_once(capsys, tmp_path):
         expect=["3 problems", "train.per_device_batch_size=0", "optim.lr=-1", "data.block_size=4096"],
     )
     assert err.count("\n  - ") == 3
+
+
+def test_a_refused_run_removes_the_folders_it_made_and_only_those(capsys, tmp_path, monkeypatch):
+    """Hydra creates hydra.run.dir before the run is checked: refused, it would leave an
+    empty outputs/<name>/<time>_<hash> behind each time. A folder that was there stays."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(capsys, "recipe=gpt2_clm_tiny", "train.per_device_batch_size=0")
+    assert code == 2 and "train.per_device_batch_size=0" in err
+    assert not (tmp_path / "outputs").exists()  # the default folder and its parents, all made by this run
+    (tmp_path / "mine" / "empty").mkdir(parents=True)
+    for run_dir in ("mine/new/run", "mine/empty"):
+        code, err = run_main(capsys, "recipe=gpt2_clm_tiny", "train.per_device_batch_size=0", f"hydra.run.dir={run_dir}")
+        assert code == 2
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["empty"]  # there before: kept, though empty
+
+
+def test_auto_micro_batch_with_an_accumulation_names_the_conflict_truly(capsys, tmp_path):
+    """The accumulation was checked against the placeholder micro-batch of 1 ('needs 32')."""
+    err = assert_refused(capsys, tmp_path, "train.per_device_batch_size=auto", "train.global_batch_size=32",
+                         "train.grad_accum_steps=4", expect="remove train.grad_accum_steps=4")
+    assert "needs" not in err
+
+
+def test_an_encoder_decoder_type_is_one_short_line(capsys, tmp_path):
+    err = assert_refused(capsys, tmp_path, "model.model_type=t5", "model.config_overrides=null",
+                         expect="model.model_type=t5 (an encoder-decoder) is not a causal LM")
+    assert len(err) < 300 and "Config" not in err  # not transformers' list of every causal-LM config class
+
+
+def test_resume_from_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
+    assert_refused(capsys, tmp_path, f"resume={tmp_path / 'nope'}",
+                   expect=["no such folder", "checkpoints/step_N", "resume=auto with hydra.run.dir"])
 
 
 def test_existing_results_folder_is_not_clobbered(capsys, tmp_path):

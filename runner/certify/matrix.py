@@ -57,7 +57,8 @@ COMMON = ("recipe=gpt2_clm_tiny", "name=certify", "data.block_size=32", "data.ma
 # bf16 at 2 x 4 sequences is not the reference's math at 1 x 8 even under one policy:
 # autocast rounds each matmul's output to bf16, and another micro-batch shape sums in
 # another order first, so a rounding can flip (measured under ddp, gpt2: loss 2e-4 apart
-# by step 5). Every bf16 cell gets bf16's allowance, as a sweep gives two bf16 policies.
+# by step 5). Every bf16 cell gets bf16's allowance, as a sweep gives bf16 jobs in two policies
+# or layouts (runner/report/parity.py parity_tolerance).
 BF16_LAYOUT = Tolerance(BF16_LOSS_ATOL, BF16_GRAD_NORM_RTOL,
                         "bf16 in another layout or policy rounds differently from the first step")
 # Saved models of equal math give equal logits but for float rounding: measured up to

@@ -171,13 +171,28 @@ SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "he
                 "num_hidden_layers", "vocab_size")
 
 
+def not_a_causal_lm(spec: ModelSpec, config: "PretrainedConfig") -> Optional[str]:
+    """Why `config` cannot be trained here, when transformers has no causal-LM class for its
+    type (T5 and other encoder-decoders, encoder-only and vision models); None when it has."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    given = f"model.name_or_path={spec.name_or_path} is a {config.model_type} model" if spec.name_or_path else (
+        f"model.model_type={config.model_type}")
+    kind = " (an encoder-decoder)" if getattr(config, "is_encoder_decoder", False) else ""
+    return (f"{given}{kind} is not a causal LM: transformers has no causal-LM class for it, and runner trains "
+            "causal LMs. Choose a decoder model (gpt2, llama, qwen2, mistral, ...).")
+
+
 def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: int = 8) -> list[str]:
     """Build the model on the meta device (no memory, no weights) and run one micro-batch's
     shapes through it: an inconsistent config (heads that do not divide the width,
     grouped-query heads left at a default that does not divide the heads) becomes one
     line naming its shape settings, not a traceback from inside attention; an encoder
     built as a causal LM without is_decoder (whose attention would see the token it
-    predicts; transformers only warns) is refused. Seconds even for a 7B config."""
+    predicts; transformers only warns) is refused, and a type with no causal-LM class at
+    all (T5) in one short line. Seconds even for a 7B config."""
     import copy
     import logging as std_logging
 
@@ -190,6 +205,9 @@ def probe_model(spec: ModelSpec, config: "PretrainedConfig", sequence_length: in
         def emit(self, record: std_logging.LogRecord) -> None:
             warnings_seen.append(record.getMessage())
 
+    not_causal = not_a_causal_lm(spec, config)
+    if not_causal:
+        return [not_causal]  # building it would only list every causal-LM config class
     handler, logger = Catch(level=std_logging.WARNING), std_logging.getLogger("transformers")
     logger.addHandler(handler)
     try:

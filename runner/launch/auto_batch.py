@@ -30,12 +30,17 @@ def is_auto(spec: RunSpec) -> bool:
 
 
 def check_request(spec: RunSpec, world: Optional[int]) -> None:
-    """auto keeps a global batch, so it needs one; one node (every node's launcher would
-    have to probe in step)."""
+    """auto keeps a global batch, so it needs one, and derives the accumulation from it
+    (a given one would be checked against a placeholder micro-batch); one node (every
+    node's launcher would have to probe in step)."""
     t, problems = spec.train, []
     if t.global_batch_size is None:
         problems.append("train.per_device_batch_size=auto keeps the global batch you give and picks the micro-batch: "
                         "set train.global_batch_size=<sequences per optimizer step> too.")
+    if t.grad_accum_steps != 1:
+        problems.append(f"train.per_device_batch_size=auto derives the accumulation from train.global_batch_size and "
+                        f"the micro-batch it picks: remove train.grad_accum_steps={t.grad_accum_steps} (give only "
+                        "train.global_batch_size).")
     elif world and t.global_batch_size % world:
         problems.append(f"train.global_batch_size={t.global_batch_size} does not divide among {world} processes. "
                         "Change train.global_batch_size or launch.nproc_per_node.")

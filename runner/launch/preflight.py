@@ -33,6 +33,8 @@ from runner.config.errors import UserError
 from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
 from runner.distributed.strategy import MIXED_PRECISION
+from runner.train.checkpoint import is_complete
+from runner.train.resume import not_a_checkpoint
 
 
 def check_data_files(spec: RunSpec) -> list[str]:
@@ -207,9 +209,18 @@ def check_gpu_precision(spec: RunSpec) -> list[str]:
     return []
 
 
+def check_resume_path(spec: RunSpec) -> list[str]:
+    """resume=PATH names a complete checkpoint: said with the other problems, before the
+    data is tokenized (runner/train/resume.py checks the checkpoint itself later)."""
+    if spec.resume in (None, "auto"):
+        return []
+    path = Path(spec.resume).expanduser().resolve()
+    return [] if is_complete(path) else [not_a_checkpoint(spec.resume, path)]
+
+
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_strategy_file, check_accelerate_environment, check_machine, check_gpu_precision, check_fsdp,
-    check_data_files, check_model,
+    check_data_files, check_model, check_resume_path,
 )
 
 

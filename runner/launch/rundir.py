@@ -57,6 +57,37 @@ def prepare_run_dir(run_dir: Path, overwrite: bool, continuing: bool = False, wh
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+def first_missing(path: Path) -> Optional[Path]:
+    """The outermost folder of `path` that does not exist yet: what creating `path` makes
+    (None: it exists already, so nothing would be made)."""
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_if_unused(run_dir: Path, made: Optional[Path]) -> None:
+    """Remove `run_dir` and its parents up to `made` (what this process created for it,
+    first_missing before it was made) while they are empty: a refused or dry run leaves
+    no empty folder behind. Only rmdir, which fails on a folder with anything in it, and
+    never above `made`: a folder that existed before stays."""
+    if made is None:
+        return
+    run_dir = Path(run_dir).absolute()
+    if made != run_dir and made not in run_dir.parents:
+        return
+    for folder in (run_dir, *run_dir.parents):
+        try:
+            if folder.exists():  # a dry run removes its own run folder (runner/launch/start.py)
+                folder.rmdir()
+        except OSError:  # something is in it: keep it and everything above
+            return
+        if folder == made:
+            return
+
+
 def continues_in_place(run_dir: Path, checkpoint: Optional[Path]) -> bool:
     """Whether resuming from `checkpoint` carries on the run that lives in `run_dir`: a
     checkpoint of its own (checkpoints/step_N) or of a branch it set aside

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from runner.components.model import build_config
 from runner.config.errors import UserError
-from runner.config.spec import load_spec
+from runner.config.spec import RunSpec, load_spec
 from runner.config.validate import parity_baseline_problems
 from runner.distributed.strategies import build_strategy
 from runner.report.parity import EQUAL_MATH, Numerics, Tolerance, parity_problems, parity_tolerance, step_records
@@ -110,13 +110,25 @@ def job_model_config(job_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def job_world_size(job_dir: Path, spec: RunSpec) -> str:
+    """The processes the job ran: one peak per rank in its results, else what its spec
+    says (launch.nproc_per_node may be auto there, resolved on the machine it ran on)."""
+    try:
+        return str(len(json.loads((job_dir / "all_results.json").read_text())["peak_memory_mb_per_rank"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        nproc = str(spec.launch.nproc_per_node)
+        return str(int(nproc) * spec.launch.nnodes) if nproc.isdigit() else f"{nproc}x{spec.launch.nnodes} nodes"
+
+
 def job_numerics(job_dir: Path) -> Numerics:
-    """The job's precision and what it means under its strategy, from its frozen
-    run_spec.yaml; blank when that cannot be read (the equal-math tolerance applies)."""
+    """The job's precision, what it means under its strategy, and its layout, from its
+    frozen run_spec.yaml; blank when that cannot be read (the equal-math tolerance applies)."""
     try:
         spec = load_spec(job_dir / "run_spec.yaml")
         strategy = build_strategy(spec.strategy, spec.precision)
-        return Numerics(spec.precision.kind.value, strategy.name, strategy.precision_policy())
+        t = spec.train
+        layout = f"{job_world_size(job_dir, spec)}x{t.per_device_batch_size}x{t.grad_accum_steps}"
+        return Numerics(spec.precision.kind.value, strategy.name, strategy.precision_policy(), layout)
     except (UserError, OSError, ValueError):
         return Numerics("", "", "")
 
@@ -180,11 +192,12 @@ def sweep_parity(sweep_dir: Path, jobs: Sequence[Job], setting: Optional[str]) -
     if looser:
         tolerance = next(iter(looser.values()))
         notes.append(
-            f"Jobs {', '.join(looser)} ran bf16 under another strategy than the baseline, so they are held to "
-            f"{tolerance.describe()} instead: bf16 is different numerics per strategy (ddp autocasts over fp32 "
-            "weights, zero2/zero3 run the whole module in bf16, fsdp gathers bf16 parameters; each run_spec.yaml "
-            "says which), and those differ by bf16 rounding from the first step. For a strict comparison, sweep "
-            "strategies in fp32."
+            f"Jobs {', '.join(looser)} ran bf16 under another strategy or in another layout than the baseline, so "
+            f"they are held to {tolerance.describe()} instead: bf16 is different numerics per strategy (ddp "
+            "autocasts over fp32 weights, zero2/zero3 run the whole module in bf16, fsdp gathers bf16 parameters; "
+            "each run_spec.yaml says which), and another layout rounds to bf16 after summing in another order; "
+            "those differ by bf16 rounding from the first step. For a strict comparison, sweep strategies and "
+            "layouts in fp32."
         )
     unexpected = [name for name, p in columns.items() if p.parity == "not expected"]
     if unexpected:

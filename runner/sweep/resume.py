@@ -51,8 +51,11 @@ def has_results(job_dir: Path) -> bool:
 
 
 # Accepted by a resume (runner/train/resume.py HARMLESS), yet they change what a finished
-# job's results answer: a job finished under other values is not kept.
-RESULT_DEFINING = ("train.max_steps", "train.num_epochs", "train.eval_every", "data.max_eval_samples")
+# job's results answer: a job finished under other values is not kept. The second line:
+# the same math, but the summary's speed and memory columns measure them.
+RESULT_DEFINING = ("train.max_steps", "train.num_epochs", "train.eval_every", "data.max_eval_samples",
+                   "model.gradient_checkpointing", "model.compile", "model.attn_implementation",
+                   "launch.retain_freed_memory", "strategy.reshard_after_forward")
 
 
 def result_changes(job_dir: Path, spec: RunSpec, world: int) -> list[str]:

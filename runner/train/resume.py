@@ -1,11 +1,14 @@
 """Which checkpoint a run resumes from, and whether the new spec may continue it.
 
-Changes that break the math (model, data, global batch, strategy, world size,
-optimizer, schedule, precision, seed) are refused; harmless ones (max_steps,
-num_epochs, log/eval/save cadence, eval batch size, dataloader workers) and a new
-layout of the same global batch are accepted and reported. A run that is already
-finished is left alone, and a resume from an older checkpoint of the folder sets the
-newer branch aside rather than deleting it (`set_aside_newer_branch`).
+Every setting of the spec is classified once (MATH, HARMLESS, BOOKKEEPING, LAYOUT_KEYS
+below; a test fails when a new field is in none): a change of one that breaks the math
+(model, data, optimizer, schedule, precision, strategy, seed) is refused; a harmless
+one (steps and cadence, kernels, memory and communication settings, where metrics go,
+timeouts) is accepted and printed; bookkeeping (the folder, the name, how the resume
+was asked for) is neither. The layout may change at the same global batch when the
+position can continue at the exact sample. A run that is already finished is left
+alone, and a resume from an older checkpoint of the folder sets the newer branch aside
+rather than deleting it (`set_aside_newer_branch`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
 from runner.train.checkpoint import (
     CHECKPOINTS_DIRNAME,
+    COMPLETE_MARKER,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
@@ -35,19 +39,71 @@ ABANDONED_DIRNAME = "abandoned"  # a newer branch a resume from an older checkpo
 # What a finished run leaves beside its checkpoints: set aside with its branch.
 BRANCH_RESULTS = ("all_results.json", "train_results.json", "eval_results.json", "loss_curves.png", "model")
 
-HARMLESS = (
+# What each setting of the spec (runner.config.spec.flat_spec_dict's keys) changes, decided
+# one by one: tests/train/test_resume_settings.py fails while a field is in none of these sets, and
+# compare refuses a change of a key it does not know (the safe side).
+
+# Refused: the continued run would not train the model the checkpoint holds, on the same
+# data in the same order, with the same update.
+MATH = frozenset({
+    "model.name_or_path", "model.model_type", "model.config_overrides", "model.tokenizer_name",
+    "data.dataset_name", "data.dataset_config_name", "data.train_file", "data.validation_file",
+    "data.validation_split_percentage", "data.text_column", "data.keep_linebreaks", "data.block_size",
+    "data.max_train_samples", "data.preprocessing_num_workers", "data.streaming", "data.shuffle_buffer",
+    "data.validation_blocks",  # a stream without a validation file holds these blocks out of training
+    "optim.kind", "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.max_grad_norm",
+    "optim.scale_lr", "optim.reference_global_batch",
+    # The same update by another kernel, but it would not take effect: torch's
+    # Optimizer.load_state_dict restores the checkpoint's param groups, `fused` flag included,
+    # while whether the non-finite verdict goes to the kernel was decided when the optimizer was
+    # built (found_inf_optimizer, runner/distributed/strategy.py): the two would disagree.
+    "optim.fused",
+    "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
+    "train.seed",
+    "strategy.kind", "precision.kind",
+    # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
+    # DeepSpeed lays out the optimizer state it saves and loads.
+    "strategy.offload_optimizer", "strategy.offload_params",
+})
+
+# Accepted and printed (`resume: accepted change KEY: old -> new`): how long, how often, on
+# what, through which kernels, and where the numbers go; the update itself is the same.
+HARMLESS = frozenset({
     "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
-    "train.keep_checkpoints", "train.per_device_eval_batch_size", "train.dataloader_num_workers",
-    "data.max_eval_samples", "data.cache_dir",
-    "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank", "overwrite", "resume", "run_dir", "name",
+    "train.keep_checkpoints", "train.per_device_eval_batch_size",
+    "train.dataloader_num_workers",  # except for a stream, whose loader workers each read their own files (compare)
+    "data.max_eval_samples", "data.cache_dir",  # evaluation only; a changed cache content is caught by its key
+    "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank",
+    "launch.timeout_minutes",  # how long a collective may wait (the docs say to raise it for a slow step)
+    "launch.debug",  # distributed debug logs
+    "launch.retain_freed_memory",  # whether glibc hands freed host memory back: resident memory, not values
     "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
     "sweep.parity_baseline", "sweep.retry_failed",
-    "train.deterministic",  # only which GPU kernels run: the same math, summed in a fixed order
-)
+    "tracking",  # only where metrics go; metrics.jsonl holds every step whichever tracker
+    "precision.max_consecutive_skipped_steps",  # when fp16 overflows stop the run, not what a step computes
+    "strategy.reshard_after_forward",  # FSDP2 re-gathers parameters or keeps them: memory and communication
+    "strategy.zero3_save_16bit_model",  # how model/ is written at the end (false is refused anyway)
+    "strategy.config_file",  # where the settings came from: what it sets is compared key by key, after it is read
+    "model.gradient_checkpointing",  # recomputes activations in backward, with the dropout masks of the forward
+    # Other kernels for the same math: float sums in another order, as a layout change has.
+    # train.deterministic only picks GPU kernels; model.compile fuses the same operations (its
+    # losses equal eager's within 1e-4: tests/test_compile.py) and the checkpoint's weights load
+    # compiled or not (Accelerate saves them without torch.compile's prefix); the attention
+    # kernels compute the same attention (tests/test_e2e.py), and transformers refuses a kernel
+    # that lacks an architecture's feature (sdpa with Gemma 2's soft-capping) rather than
+    # dropping it. With dropout on, another kernel may draw other masks: the continuation is
+    # then statistically the same, not bit for bit, as after a change of layout.
+    "train.deterministic", "model.compile", "model.attn_implementation",
+})
 
+# Neither refused nor printed: which folder, under which name, how this launch was asked
+# for, or set by the launcher. A resume into a new folder changes run_dir by design.
+BOOKKEEPING = frozenset({"name", "run_dir", "resume", "overwrite", "dry_run", "probe"})
 
-LAYOUT_KEYS = ("train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",
-               "launch.nproc_per_node", "launch.nnodes")
+# Decided together by compare: the global batch must stay; a new layout of it is checked
+# for an exact continuation (layout_change_problems).
+LAYOUT_KEYS = frozenset({"train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",
+                         "launch.nproc_per_node", "launch.nnodes"})
 
 
 def _layout(spec: RunSpec, world: int) -> tuple[int, int, int]:
@@ -94,7 +150,7 @@ def compare(
     a, b = flat_spec_dict(old), flat_spec_dict(new)
     breaking, harmless = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key == "resume":  # resume=...: how, not what
+        if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key in BOOKKEEPING:
             continue
         # a stream's loader workers each read their own files: their number is part of the order
         is_harmless = key in HARMLESS and not (key == "train.dataloader_num_workers" and old.data.streaming)
@@ -123,9 +179,26 @@ def resolve(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     if spec.resume != "auto":
         path = Path(spec.resume).expanduser().resolve()
         if not is_complete(path):
-            raise UserError(f"resume={spec.resume}: not a complete checkpoint (no COMPLETE.json marker in it).")
+            raise UserError(not_a_checkpoint(spec.resume, path))
         return path
     return latest_checkpoint(run_dir)
+
+
+def not_a_checkpoint(given: str, path: Path) -> str:
+    """Why resume=PATH cannot be used, and what to pass instead: PATH missing, a run
+    folder (or its checkpoints/) rather than one of its checkpoints, or an incomplete save."""
+    how = "pass one of its checkpoints (resume=RUN_DIR/checkpoints/step_N), or resume=auto with hydra.run.dir=RUN_DIR"
+    if not path.exists():
+        where = "" if str(path) == given else f" ({path})"
+        return f"resume={given}: no such folder{where}. To continue a run, {how}."
+    run_dir = path.parent if path.name == CHECKPOINTS_DIRNAME else path
+    if (run_dir / CHECKPOINTS_DIRNAME).is_dir() or (run_dir / SPEC_FILENAME).is_file():
+        newest = latest_checkpoint(run_dir)
+        which = f"resume={newest} (its newest)" if newest else "one of its checkpoints (it holds no complete one yet)"
+        return (f"resume={given} is a run folder, not a checkpoint: pass {which}, or continue the run with "
+                f"resume=auto hydra.run.dir={run_dir}.")
+    return (f"resume={given}: not a complete checkpoint (no {COMPLETE_MARKER} in it: an interrupted save, or not a "
+            f"checkpoint). To continue a run, {how}.")
 
 
 def describe_fresh_start(run_dir: Path) -> str:

@@ -87,8 +87,19 @@ def test_a_finished_job_with_more_steps_asked_resumes_and_one_with_other_results
     assert plan_job(tmp_path / "job", fewer, 1) is Action.rerun and fewer.overwrite  # 8 steps' results answer 6 wrongly
     other_eval = compose_spec(*MICRO, "resume=auto", "data.max_eval_samples=8")
     assert plan_job(tmp_path / "job", other_eval, 1) is Action.rerun and other_eval.overwrite
-    cosmetic = compose_spec(*MICRO, "resume=auto", "train.log_every=5", "train.keep_checkpoints=9")
+    cosmetic = compose_spec(*MICRO, "resume=auto", "train.log_every=5", "train.keep_checkpoints=9",
+                            "launch.timeout_minutes=90", "tracking=none")
     assert plan_job(tmp_path / "job", cosmetic, 1) is Action.kept
+
+
+def test_a_finished_job_is_run_again_under_settings_its_speed_and_memory_columns_measure(tmp_path, compose_spec):
+    """A resume accepts them (the same math); a finished job's tokens/s and peak memory
+    were measured without them, so the sweep does not keep its row."""
+    finished(tmp_path / "job", compose_spec(*MICRO))
+    for change in ("model.gradient_checkpointing=true", "model.compile=true", "model.attn_implementation=eager",
+                   "launch.retain_freed_memory=false"):
+        changed = compose_spec(*MICRO, "resume=auto", change)
+        assert plan_job(tmp_path / "job", changed, 1) is Action.rerun and changed.overwrite, change
 
 
 def test_an_interrupted_job_with_a_checkpoint_resumes(tmp_path, spec):
