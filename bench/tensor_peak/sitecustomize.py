@@ -10,13 +10,33 @@ CUDA's max_memory_allocated is on a GPU: tensors only, without the interpreter,
 libraries, Python objects and allocator slack that the resident set (peak RSS) also
 counts. On a GPU it reads torch.cuda.max_memory_allocated over step 2 itself. Writes
 `<folder>/rank<R>.json`. A bench instrument, not part of runner.
+
+The running total counts frees on every thread only with c10's flag
+`caffe2_report_cpu_memory_usage` set. Without it, c10's CPU allocator subtracts a free
+only on a thread that the profiler records (its state is thread-local), so tensors that
+gloo's worker threads free (the all-reduce and all-gather buffers of DDP's reducer and
+of ZeRO-3's prefetcher) stayed in the total: step 2's peak drifted up by 0 to 3 of
+ZeRO-3's 49 MB gathered output heads from run to run. The flag is a plain exported
+global of libc10 (`FLAGS_caffe2_report_cpu_memory_usage`, verified on torch 2.13.0); it
+is set before any tensor exists, so the total is every live tensor of the process.
 """
 
 import os
 
 if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
+    import ctypes
     import json
+    import sys
     from pathlib import Path
+
+    import torch
+
+    try:
+        ctypes.c_bool.in_dll(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")),
+                             "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    except (OSError, ValueError) as error:  # another build of torch: say the figures may drift
+        print(f"tensor_peak: cannot count frees on other threads ({error}); step 2's peak may read high",
+              file=sys.stderr)
 
     import runner.train.trainer as _trainer
     import runner.train.worker as _worker
