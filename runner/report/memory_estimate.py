@@ -86,12 +86,6 @@ def with_activations(estimate: MemoryEstimate, traced: Traced, strategy: str, wo
     else:
         at_rest, share = 0.0, 0.0
     activations = float(traced.peak_with_gradients(share, unreduced))
-    if strategy == "zero3":
-        # Measured (bench/fit_estimate.py): ZeRO-3's peak of live tensors exceeds the
-        # count above by up to one output head, varying run to run with the prefetcher's
-        # timing; counted as a second gathered copy of the largest parameter (forward's,
-        # still referenced, while backward gathers it again).
-        activations += largest
     return replace(estimate, activations=activations, grads_at_rest=at_rest)
 
 
