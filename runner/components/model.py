@@ -322,3 +322,14 @@ def count_parameters(model: "PreTrainedModel") -> int:
             # DeepSpeed keeps its full size in ds_numel.
             total += int(getattr(p, "ds_numel", p.numel()))
     return total
+
+
+def count_trainable_parameters(model: "PreTrainedModel") -> int:
+    """The parameters the optimizer updates (requires_grad), each once, at full size."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += int(getattr(p, "ds_numel", p.numel()))
+    return total

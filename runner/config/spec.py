@@ -63,6 +63,12 @@ class ScheduleKind(str, enum.Enum):
     constant = "constant"
 
 
+class PeftKind(str, enum.Enum):
+    none = "none"
+    lora = "lora"
+    dora = "dora"  # weight-decomposed LoRA (peft's use_dora)
+
+
 class AttnImplementation(str, enum.Enum):
     eager = "eager"
     sdpa = "sdpa"
@@ -87,6 +93,31 @@ class ModelSpec:
     """Wrap the model in torch.compile (first steps are slow while it compiles)."""
     attn_implementation: Optional[AttnImplementation] = None
     """eager | sdpa. null: transformers' default for the model."""
+
+
+@dataclass
+class PeftSpec:
+    kind: PeftKind = PeftKind.none
+    """none: train every weight | lora: low-rank adapters on a frozen pretrained base (peft's
+    LoRA) | dora: weight-decomposed LoRA (peft's use_dora). Needs model.name_or_path: a
+    random base is not fine-tuning. See docs/adapters.md."""
+    rank: int = 8
+    """The adapters' rank r: each adapted weight W (out x in) gains B (out x r) @ A (r x in)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's update is (alpha / rank) B A."""
+    dropout: float = 0.05
+    """Dropout on the adapters' input (0 disables; the base's own dropout is model config)."""
+    target_modules: Optional[list[str]] = None
+    """Which layers get adapters. null: every linear layer of the transformer blocks (peft's
+    "all-linear": the output head is left out), found on the model itself, for any
+    architecture. Or a list of names matched against the end of each module's name,
+    e.g. [q_proj, v_proj] or [c_attn]."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained fully beside the adapters and saved with them, e.g. [wte] or
+    [embed_tokens, lm_head] when new tokens are added."""
+    save_merged: bool = False
+    """Also write model/: the base with the adapters merged into its weights, a plain
+    Hugging Face model. false: the run's output is adapter/ alone."""
 
 
 @dataclass
@@ -305,6 +336,7 @@ class RunSpec:
     name: str = "run"
     """Names the run; the default run folder is outputs/<name>/<time>_<hash>."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    peft: PeftSpec = field(default_factory=PeftSpec)
     data: DataSpec = field(default_factory=DataSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from runner.config.batch import accumulation_for
-from runner.config.spec import RunSpec, StrategyKind
+from runner.config.spec import PeftKind, RunSpec, StrategyKind
 
 
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
@@ -175,6 +175,33 @@ def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]
     return []
 
 
+def check_peft(spec: RunSpec) -> list[str]:
+    """Adapters need a pretrained base, sane sizes, and settings that do something."""
+    pe, p = spec.peft, []
+    # also under peft=none: a bad value is refused, not ignored
+    if isinstance(pe.rank, bool) or pe.rank < 1:
+        p.append(f"peft.rank={pe.rank} must be a whole number >= 1 (8 or 16 are usual).")
+    if not pe.alpha > 0:
+        p.append(f"peft.alpha={pe.alpha} must be > 0 (the update is scaled by alpha / rank; 2 x rank is usual).")
+    if not 0.0 <= pe.dropout < 1.0:
+        p.append(f"peft.dropout={pe.dropout} must be in [0, 1).")
+    if pe.kind is PeftKind.none:
+        set_here = [k for k, v in (("peft.target_modules", pe.target_modules), ("peft.modules_to_save", pe.modules_to_save),
+                                   ("peft.save_merged", pe.save_merged)) if v]
+        if set_here:
+            p.append(f"{', '.join(set_here)} set without adapters (peft=none trains every weight): add peft=lora "
+                     "(or peft=dora), or remove them.")
+        return p
+    if not spec.model.name_or_path:
+        p.append(f"peft={pe.kind.value} fine-tunes a pretrained model, but model.name_or_path is null (a model built "
+                 "from scratch: random weights, and adapters on a random base learn nothing useful). Set "
+                 "model.name_or_path=<a hub id or a saved model folder, e.g. a run's model/>, or peft=none.")
+    if pe.target_modules is not None and not pe.target_modules:
+        p.append("peft.target_modules=[] adapts nothing: name layers (e.g. [q_proj,v_proj]) or set "
+                 "peft.target_modules=null (every linear layer of the blocks).")
+    return p
+
+
 def parity_baseline_problems(setting: Optional[str]) -> list[str]:
     """What is wrong with the form of `sweep.parity_baseline` (which job it names is known
     only when the sweep ends)."""
@@ -193,7 +220,7 @@ def check_sweep(spec: RunSpec) -> list[str]:
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_streaming,
-    check_sweep,
+    check_peft, check_sweep,
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
 from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
@@ -90,7 +91,17 @@ def check_model(spec: RunSpec) -> list[str]:
         return err.problems
     except OSError as err:
         return [f"model.name_or_path='{spec.model.name_or_path}': cannot read its config ({str(err).splitlines()[0]})."]
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "?")
+        bits = ("4-bit" if _quantized_flag(quantized, "load_in_4bit") else
+                "8-bit" if _quantized_flag(quantized, "load_in_8bit") else "quantized")
+        return [f"model.name_or_path={spec.model.name_or_path} holds {bits} weights (quant_method={method}): runner "
+                "trains fp32 weights and cannot train or shard quantized ones (QLoRA needs a CUDA GPU and "
+                "bitsandbytes; docs/adapters.md). Use the model's unquantized weights."]
     problems += probe_model(spec.model, config)
+    if not problems and uses_adapters(spec.peft):
+        problems += adapter_problems(spec, config)
     positions = max_positions(config)
     block = spec.data.block_size
     if block is not None and positions is not None and block > positions:
@@ -99,6 +110,21 @@ def check_model(spec: RunSpec) -> list[str]:
             f"Set data.block_size={positions} or less (or raise n_positions in model.config_overrides)."
         )
     return problems
+
+
+def _quantized_flag(quantized: Any, key: str) -> bool:
+    return bool(quantized.get(key) if isinstance(quantized, dict) else getattr(quantized, key, False))
+
+
+def adapter_problems(spec: RunSpec, config: Any) -> list[str]:
+    """The adapters applied to the model built on the meta device (no memory): a target
+    list that matches no layer, or that peft cannot adapt, is refused before launch."""
+    try:
+        with torch.device("meta"):
+            add_adapters(spec.peft, build_meta_model(config))
+    except UserError as err:
+        return err.problems
+    return []
 
 
 def _empty_model_folders(spec: RunSpec) -> list[str]:

@@ -176,10 +176,14 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         return _fmt(results[key])
 
     rows = [(label, shown(key)) for key, label in keys if results.get(key) is not None or (key == "train_mfu" and key in results)]
+    if results.get("trainable_parameters") and results["trainable_parameters"] != results.get("total_parameters"):
+        rows.append(("trainable parameters", f"{results['trainable_parameters']:,} of {results['total_parameters']:,} "
+                                             f"({100 * results['trainable_ratio']:.2f}%)"))
     width = max(len(label) for label, _ in rows)
     value_width = max(len(v) for _, v in rows)
     rule = "-" * (width + value_width + 5)
+    outputs = "/, ".join(d for d in ("adapter", "model") if (run_dir / d).is_dir()) + "/" if (run_dir / "adapter").is_dir() else "model/"
     lines = ["runner: finished", rule]
     lines += [f"  {label:<{width}}   {value:>{value_width}}" for label, value in rows]
-    lines += [rule, f"  outputs in {run_dir}  (model/, all_results.json, metrics.jsonl, loss_curves.png)"]
+    lines += [rule, f"  outputs in {run_dir}  ({outputs}, all_results.json, metrics.jsonl, loss_curves.png)"]
     return "\n".join(lines)

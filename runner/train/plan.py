@@ -28,6 +28,18 @@ class RunPlan:
     effective_lr: float
     lr_rule: str = "none"
     stream: str = ""  # data.streaming=true: what is streamed (its length, so steps_per_epoch, is unknown)
+    trainable_parameters: int = 0  # what the optimizer updates; 0: every parameter
+
+    @property
+    def trainable(self) -> int:
+        return self.trainable_parameters or self.parameters
+
+    @property
+    def model_line(self) -> str:
+        if self.trainable == self.parameters:
+            return f"{self.parameters:,} parameters"
+        return (f"{self.parameters:,} parameters, {self.trainable:,} trainable ({100 * self.trainable / self.parameters:.2f}%;"
+                " the rest frozen)")
 
     @property
     def global_batch_size(self) -> int:
@@ -88,6 +100,7 @@ def plan_run(
     precision: str,
     device: str,
     stream: str = "",
+    trainable_parameters: int = 0,
 ) -> RunPlan:
     """The plan from the spec and what only the caller knows: the worker's prepared
     loader and model, or the dry run's estimates of them."""
@@ -110,6 +123,7 @@ def plan_run(
         effective_lr=effective_lr(spec.optim, global_batch(t, world_size)),
         lr_rule=spec.optim.scale_lr.value,
         stream=stream,
+        trainable_parameters=trainable_parameters,
     )
 
 
@@ -119,7 +133,7 @@ def banner(plan: RunPlan, run_dir: str) -> str:
         "runner: starting",
         f"  run folder     {run_dir}",
         f"  strategy       {p.strategy} on {p.world_size} process(es), device {p.device}, precision {p.precision}",
-        f"  model          {p.parameters:,} parameters",
+        f"  model          {p.model_line}",
         f"  data           {p.data_line}",
         f"  global batch   {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
         f" x {p.grad_accum_steps} accumulation",

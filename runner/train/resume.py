@@ -64,6 +64,9 @@ MATH = frozenset({
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.
     "strategy.offload_optimizer", "strategy.offload_params",
+    # Adapters: which weights train, their shapes and scale, their dropout (adapters of another
+    # rank or on other layers would not even load the checkpoint's optimizer state).
+    "peft.kind", "peft.rank", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
 })
 
 # Accepted and printed (`resume: accepted change KEY: old -> new`): how long, how often, on
@@ -84,6 +87,7 @@ HARMLESS = frozenset({
     "strategy.reshard_after_forward",  # FSDP2 re-gathers parameters or keeps them: memory and communication
     "strategy.zero3_save_16bit_model",  # how model/ is written at the end (false is refused anyway)
     "strategy.config_file",  # where the settings came from: what it sets is compared key by key, after it is read
+    "peft.save_merged",  # whether model/ is also written, merged, at the end
     "model.gradient_checkpointing",  # recomputes activations in backward, with the dropout masks of the forward
     # Other kernels for the same math: float sums in another order, as a layout change has.
     # train.deterministic only picks GPU kernels; model.compile fuses the same operations (its

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
+from runner.components.adapters import ADAPTER_DIRNAME, add_adapters, uses_adapters
 from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
 from runner.components.data import prepare as prepare_data
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
@@ -41,6 +42,7 @@ from runner.components.model import (
     build_model,
     build_tokenizer,
     count_parameters,
+    count_trainable_parameters,
     layer_class_names,
     layer_parameters,
     max_positions,
@@ -137,6 +139,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         batches_per_rank=0 if streamed else len(train_loader), block_size=block_size,
         train_blocks=0 if streamed else len(data.train), eval_blocks=len(data.validation),
         parameters=count_parameters(unwrap(accelerator, model)),
+        trainable_parameters=count_trainable_parameters(unwrap(accelerator, model)),
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
         device=describe(accelerator)["device"],
         stream=data.source if streamed else "",
@@ -169,10 +172,15 @@ def set_host_memory_policy(spec: RunSpec) -> None:
 
 
 def build_seeded_model(spec: RunSpec) -> Built:
+    """The model, and with peft=lora|dora its adapters (their init is random too, so
+    after the seed)."""
     set_seed(spec.train.seed)
     tokenizer = build_tokenizer(spec.model)
     config = build_config(spec.model)
-    return Built(tokenizer, config, build_model(spec.model, config, len(tokenizer)))
+    model = build_model(spec.model, config, len(tokenizer))
+    if uses_adapters(spec.peft):
+        model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
+    return Built(tokenizer, config, model)
 
 
 def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: Path) -> Accelerator:
@@ -356,9 +364,12 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     peaks, befores = memory_per_rank(accelerator, before_model_mb)
     train_results["peak_memory_mb_per_rank"], train_results["host_memory_before_model_mb_per_rank"] = peaks, befores
     train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
+    plan = trainer.plan
+    train_results.update(total_parameters=plan.parameters, trainable_parameters=plan.trainable,
+                         trainable_ratio=round(plan.trainable / max(plan.parameters, 1), 6))
     if spec.train.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable
-    save_outputs(strategy, accelerator, model, tokenizer, run_dir)
+    save_outputs(spec, strategy, accelerator, model, tokenizer, run_dir)
     results: dict[str, Any] = {}
     if accelerator.is_main_process:
         train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)
@@ -379,16 +390,33 @@ def memory_per_rank(accelerator: Accelerator, before_model_mb: float) -> tuple[l
     return [round(float(v), 1) for v in memory[:, 0].cpu()], [round(float(v), 1) for v in memory[:, 1].cpu()]
 
 
-def save_outputs(strategy: Strategy, accelerator: Accelerator, model: Any, tokenizer: Any, run_dir: Path) -> Path:
+def save_outputs(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, tokenizer: Any,
+                 run_dir: Path) -> Path:
     """model/: save_pretrained + tokenizer, loadable by AutoModelForCausalLM; fp32 weights
-    whatever the strategy (under ZeRO, its fp32 master weights gathered from every rank)."""
-    out = run_dir / "model"
+    whatever the strategy (under ZeRO, its fp32 master weights gathered from every rank).
+    With adapters: adapter/ (peft's save_pretrained: the adapters and modules_to_save
+    only, loadable by PeftModel.from_pretrained), and model/ only with peft.save_merged."""
+    adapters = uses_adapters(spec.peft)
+    out = run_dir / (ADAPTER_DIRNAME if adapters else "model")
     state_dict = strategy.full_state_dict(accelerator, model)  # every rank calls: a collective
     if accelerator.is_main_process:
         unwrap(accelerator, model).save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        if adapters and spec.peft.save_merged:
+            save_merged_model(spec, out, run_dir / "model", tokenizer)
     accelerator.wait_for_everyone()
     return out
+
+
+def save_merged_model(spec: RunSpec, adapter_dir: Path, out: Path, tokenizer: Any) -> None:
+    """model/: the pretrained base, read again (it was frozen, so it is what trained), with
+    the saved adapters merged into its weights by peft: a plain Hugging Face model."""
+    from peft import PeftModel
+
+    base = build_model(replace(spec.model, gradient_checkpointing=False), build_config(spec.model), len(tokenizer))
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
 
 
 def _close(accelerator: Accelerator) -> None:
