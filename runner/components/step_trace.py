@@ -16,9 +16,10 @@ import copy
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
-from runner.config.spec import ModelSpec
+from runner.components.adapters import add_adapters, uses_adapters
+from runner.config.spec import ModelSpec, PeftSpec
 
 
 class Numerics(str, Enum):
@@ -111,8 +112,16 @@ def grouped_experts_traceable() -> Iterator[None]:
         moe._can_use_grouped_mm = plain
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
-               numerics: Numerics, gpu_kernels: bool = False) -> StepTrace:
+               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
     run would build (its config, attention implementation, dropout and gradient
     checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
@@ -138,18 +147,41 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
             grads = snap.get(_MemRefType.GRAD, 0)
             samples.append((total - snap.get(_MemRefType.PARAM, 0) - grads - snap.get(_MemRefType.BUFFER, 0), grads))
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        if numerics in (Numerics.half, Numerics.half_autocast) and low is not None:
-            kwargs["dtype"] = low
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            # A frozen parameter (a base under adapters) takes no gradient hook (torch
+            # refuses one); marked as hooked with handles that remove nothing. MemTracker's
+            # private method, as on torch 2.13: where it is renamed, a plan with adapters
+            # fails and the run starts unchecked, saying so (runner/launch/fit.py check_fit).
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    if numerics in (Numerics.half, Numerics.half_autocast) and low is not None:
+        kwargs["dtype"] = low
+
+    def build() -> Any:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
         if spec.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
             model.config.use_cache = False
+        return model
+
+    adapters = peft is not None and uses_adapters(peft)
+    if adapters:
+        # peft moves each new adapter to its base layer's device and dtype, which swaps
+        # tensors, and a fake tensor (weakly referenced by its mode) cannot be swapped:
+        # so the model and its adapters are built on the meta device, then given fake storage.
+        with torch.device("meta"):
+            meta_model = add_adapters(peft, build(), spec.gradient_checkpointing)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = meta_model.to_empty(device="cpu") if adapters else build()  # a frozen base: gradients only for the adapters
         model.train()
         parameters = sum(p.numel() for p in model.parameters())
-        largest = max(p.numel() for p in model.parameters())
-        grad_bytes = next(model.parameters()).element_size()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        largest = max(p.numel() for p in trained)  # the largest gradient
+        grad_bytes = trained[0].element_size()
         ids = torch.zeros(micro_batch, block_size, dtype=torch.long)
         tracker = Tracker()
         tracker.track_external(model)

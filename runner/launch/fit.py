@@ -13,10 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from runner.components.model import build_config, count_parameters, layer_parameters
+from runner.components.adapters import add_adapters, uses_adapters
+from runner.components.model import build_config, count_parameters, count_trainable_parameters, layer_parameters
 from runner.components.step_trace import Numerics, StepTrace, trace_step
 from runner.config.errors import UserError
-from runner.config.spec import OffloadDevice, RunSpec
+from runner.config.spec import OffloadDevice, PeftSpec, RunSpec
 from runner.report.memory_estimate import MemoryEstimate, estimate_memory, with_activations
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
@@ -99,21 +100,27 @@ class ModelShape:
     hidden_size: Optional[int]  # sizes ZeRO's buckets (runner/distributed/deepspeed.py zero_sizes)
     layers: Optional[int] = None  # transformer layers: FSDP2 gathers one or two at a time
     layer_parameters: Optional[int] = None  # one layer's, counted on the model's module tree
+    trainable: Optional[int] = None  # with adapters (peft=lora|dora): theirs; None: every parameter trains
 
 
-def shape_of(config: Any) -> ModelShape:
-    """The model `config` describes, built on the meta device (no memory, no weights)."""
+def shape_of(config: Any, peft: Optional[PeftSpec] = None) -> ModelShape:
+    """The model `config` describes, with the run's adapters, built on the meta device (no
+    memory, no weights)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+        layer = layer_parameters(model)
+        if peft is not None and uses_adapters(peft):
+            model = add_adapters(peft, model)
+    trainable = count_trainable_parameters(model) if peft is not None and uses_adapters(peft) else None
     return ModelShape(count_parameters(model), getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None),
-                      layer_parameters(model))
+                      layer, trainable)
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
     """The model the run would build."""
-    return shape_of(build_config(spec.model))
+    return shape_of(build_config(spec.model), spec.peft)
 
 
 def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False,
@@ -121,7 +128,7 @@ def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: i
     """Per-rank memory of this model's states and the strategy's buffers (no activations)."""
     return estimate_memory(shape.parameters, strategy, precision, world_size, offload_optimizer, offload_params,
                            hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
-                           layer_parameters=shape.layer_parameters)
+                           layer_parameters=shape.layer_parameters, trainable=shape.trainable)
 
 
 def numerics(strategy: str, precision: str) -> Numerics:
@@ -153,13 +160,14 @@ class Planner:
 
     @cached_property
     def shape(self) -> ModelShape:
-        return shape_of(self.config)
+        return shape_of(self.config, self.spec.peft)
 
     def trace(self, micro_batch: int, how: Numerics) -> StepTrace:
         key = (micro_batch, how)
         if key not in self._traces:
             self._traces[key] = trace_step(self.spec.model, self.config, micro_batch, self.block_size,
-                                           self.spec.precision.kind.value, how, gpu_kernels=self.gpu)
+                                           self.spec.precision.kind.value, how, gpu_kernels=self.gpu,
+                                           peft=self.spec.peft)
         return self._traces[key]
 
     def estimate(self, strategy: str, micro_batch: Optional[int] = None, grad_accum_steps: Optional[int] = None,

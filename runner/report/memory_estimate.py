@@ -112,7 +112,8 @@ def _fsdp_buffers(n: float, compute_bytes: float, layer: float, layers: int) -> 
 
 
 def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hidden_size: Optional[int],
-             layers: Optional[int] = None, cuda: bool = False, layer_parameters: Optional[int] = None) -> float:
+             layers: Optional[int] = None, cuda: bool = False, layer_parameters: Optional[int] = None,
+             trainable: Optional[float] = None) -> float:
     """Working memory beyond the states, in bytes.
 
     ddp: torch's DDP reduces gradients through buckets that are a second copy of every
@@ -124,8 +125,8 @@ def _buffers(n: float, strategy: str, weight_bytes: float, grad_bytes: float, hi
     GPT-2's embedding, taken as everything outside the layers when `layers` is known
     (the whole model otherwise), at the working precision. Unknown width (hidden_size
     None): ZeRO's buffers are left out."""
-    if strategy == "ddp":
-        return n * grad_bytes
+    if strategy == "ddp":  # buckets hold only what has a gradient
+        return (n if trainable is None else trainable) * grad_bytes
     if strategy not in ZERO or not hidden_size:
         return 0.0
     stage = 3 if strategy in SHARDS_PARAMS else 2
@@ -143,6 +144,7 @@ def estimate_memory(
     layers: Optional[int] = None,
     cuda: bool = False,
     layer_parameters: Optional[int] = None,
+    trainable: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -158,11 +160,14 @@ def estimate_memory(
     `cuda`: ZeRO-3's residency as sized on a GPU (two layers live, zero_sizes).
     `layer_parameters`: one transformer layer's parameters, counted on the model (else
     GPT-2's 12 h²): what FSDP2 gathers at a time, and what lies outside the layers.
+    `trainable`: the parameters the optimizer updates (adapters on a frozen base, peft=lora);
+    only they have gradients, Adam's moments and ZeRO's fp32 master copy (None: all).
     """
     n, w = float(n_params), max(world_size, 1)
+    t = float(n_params if trainable is None else trainable)
     half = precision in ("bf16", "fp16") and strategy in ZERO
     weight_bytes, grad_bytes, optim_bytes = (2.0, 2.0, 12.0) if half else (4.0, 4.0, 8.0)
-    params, grads, optimizer = n * weight_bytes, n * grad_bytes, n * optim_bytes
+    params, grads, optimizer = n * weight_bytes, t * grad_bytes, t * optim_bytes
     if strategy in SHARDS_GRADS_AND_OPTIMIZER:
         grads, optimizer = grads / w, optimizer / w
     if strategy in SHARDS_PARAMS:
@@ -182,5 +187,5 @@ def estimate_memory(
         buffers = (_fsdp_buffers(n, compute_bytes, _layer(hidden_size, layer_parameters), layers)
                    if hidden_size and layers else 0.0)
     else:
-        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda, layer_parameters)
+        buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda, layer_parameters, t)
     return MemoryEstimate(params, grads, optimizer, offloaded, buffers)

@@ -177,3 +177,28 @@ def test_the_cli_refuses_a_run_that_does_not_fit_before_claiming_its_folder(tmp_
                               "launch.check_fit=false", "train.max_steps=1", f"hydra.run.dir={run_dir}"],
                              capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stderr[-2000:]
+
+
+def test_a_frozen_base_has_no_gradients_or_adam_state_in_the_plan(compose_spec, tmp_path):
+    """peft=lora: the base's weights are counted, its gradients and AdamW moments are not
+    (nor DDP's bucket copy of them); only the adapters' are."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from runner.launch.fit import Planner
+
+    AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64)).save_pretrained(tmp_path)
+    plans = {}
+    for peft in ("none", "lora"):
+        spec = compose_spec("recipe=gpt2_clm_tiny", f"peft={peft}", f"model.name_or_path={tmp_path}",
+                            "train.per_device_batch_size=2", "data.block_size=32")
+        plans[peft] = {s: Planner(spec, 32, 2).estimate(s) for s in ("ddp", "zero2", "zero3", "fsdp")}
+    # rank 8, A (8 x in) and B (out x 8), on c_attn 64->192, attn.c_proj 64->64, c_fc 64->256, mlp.c_proj 256->64
+    adapters = 2 * 8 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
+    for strategy, full in plans["none"].items():
+        lora = plans["lora"][strategy]
+        shards = 1 if strategy == "ddp" else 2
+        assert lora.params - full.params == pytest.approx(4.0 * adapters / (1 if strategy in ("ddp", "zero2") else 2))
+        assert lora.optimizer == pytest.approx(8.0 * adapters / shards)
+        assert lora.grads == pytest.approx(4.0 * adapters / shards)
+        assert lora.device_total < full.device_total
+    assert plans["lora"]["ddp"].buffers == pytest.approx(4.0 * adapters)
