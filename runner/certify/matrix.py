@@ -5,7 +5,9 @@ once and saved with save_pretrained: every run starts from those weights, as fro
 user's pretrained folder) and precision it runs, on the embedded data, dropout off:
 - a reference: one process, 8 sequences a step, 12 steps over two epoch boundaries;
 - each strategy (ddp, zero2, zero3, fsdp) at 2 processes x 4 sequences: the same global
-  batch, so the same math. Each stops at an odd step mid-epoch (7), saving a checkpoint,
+  batch, so the same math;
+- with --peft lora (or dora), the same runs train adapters on the frozen initial weights,
+  and adapter/ is loaded with peft instead of model/ with from_pretrained. Each stops at an odd step mid-epoch (7), saving a checkpoint,
   and a new run resumes it (resume=auto) to step 12.
 
 A cell is exact when every step's loss and gradient norm match the reference (fp32:
@@ -79,10 +81,15 @@ class Cell:
     model_dir: Path  # the initial weights
     verdict: str = ""  # empty while it is still to run
     detail: list[str] = field(default_factory=list)
+    peft: str = "none"  # none: every weight trains; lora / dora: adapters on the frozen initial weights
 
     @property
     def name(self) -> str:
-        return f"{self.model_type} {self.strategy} {self.precision}"
+        return f"{self.model_type} {self.strategy} {column_suffix(self.precision, self.peft)}"
+
+
+def column_suffix(precision: str, peft: str) -> str:
+    return precision if peft == "none" else f"{precision} {peft}"
 
 
 def save_initial_model(model_type: str, folder: Path) -> None:
@@ -100,12 +107,14 @@ def save_initial_model(model_type: str, folder: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
 
 
-def overrides(model_dir: Path, precision: str, strategy: Optional[str]) -> list[str]:
-    """The Hydra overrides of one run: the reference (strategy None) or a strategy's."""
+def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: str = "none") -> list[str]:
+    """The Hydra overrides of one run: the reference (strategy None) or a strategy's. With
+    adapters, their dropout is off too (equal math) and the rate is an adapter's."""
     layout = ["train.per_device_batch_size=8"] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
+    adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
     return [*COMMON, f"model.name_or_path={model_dir}", "model.config_overrides=null", f"precision={precision}",
-            *layout]
+            *layout, *adapters]
 
 
 def compose(run_overrides: Sequence[str]) -> RunSpec:
@@ -125,16 +134,16 @@ def compose(run_overrides: Sequence[str]) -> RunSpec:
 
 
 def leg_spec(cell: Cell, resume: bool) -> RunSpec:
-    spec = compose(overrides(cell.model_dir, cell.precision, cell.strategy))
+    spec = compose(overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft))
     spec.train.max_steps = STEPS if resume else CUT
     spec.train.save_every = CUT
     spec.resume = "auto" if resume else None
     return spec
 
 
-def run_reference(model_dir: Path, precision: str, run_dir: Path) -> Optional[str]:
+def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "none") -> Optional[str]:
     """The one-process run every strategy is held to, in this process; why it could not run, else None."""
-    spec = compose(overrides(model_dir, precision, None))
+    spec = compose(overrides(model_dir, precision, None, peft))
     spec.train.max_steps = STEPS
     try:
         start(spec, run_dir, overwrite=True)
@@ -184,7 +193,11 @@ def judge(cell: Cell, reference: Path) -> None:
     problems = parity_problems(theirs, ours, tolerance.loss_atol, tolerance.grad_norm_rtol)
     if sorted(ours) != list(range(1, STEPS + 1)):
         problems.append(f"steps logged {sorted(ours)}, not 1-{STEPS} once each")
-    problems += logits_problems(cell.run_dir / "model", reference / "model", LOGITS_ATOL[cell.precision])
+    if cell.peft == "none":
+        problems += logits_problems(cell.run_dir / "model", reference / "model", LOGITS_ATOL[cell.precision])
+    else:
+        problems += adapter_problems(cell.run_dir / "adapter", reference / "adapter", cell.model_dir,
+                                     LOGITS_ATOL[cell.precision])
     if problems:
         cell.verdict, cell.detail = "not exact", problems
     else:
@@ -208,16 +221,44 @@ def logits_problems(model_dir: Path, reference_dir: Path, atol: float) -> list[s
     return [] if gap <= atol else [f"model/'s logits differ from the reference's by up to {gap:.2e} (allowed {atol:g})"]
 
 
-def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Path) -> dict[str, list[Cell]]:
+def adapter_problems(adapter_dir: Path, reference_dir: Path, base_dir: Path, atol: float) -> list[str]:
+    """adapter/ loads with peft onto the initial weights and gives the reference adapters'
+    logits on one fixed batch; and the reference's adapters trained (an empty or
+    untrained save would match an equally empty one)."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    def loaded(folder: Path) -> torch.nn.Module:
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), folder).eval()
+
+    try:
+        ours = loaded(adapter_dir)
+    except Exception as err:  # whatever peft says of a bad save
+        return [f"adapter/ does not load with PeftModel.from_pretrained: {err}"]
+    reference_weights = load_file(reference_dir / "adapter_model.safetensors")
+    if not any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in reference_weights.items()):
+        return ["the reference's adapters did not train (every lora_B is zero)"]
+    theirs = loaded(reference_dir)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (ours(input_ids=ids).logits - theirs(input_ids=ids).logits).abs().max().item()
+    return [] if gap <= atol else [f"adapter/'s logits differ from the reference's by up to {gap:.2e} (allowed {atol:g})"]
+
+
+def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Path,
+            peft: str = "none") -> dict[str, list[Cell]]:
     rows: dict[str, list[Cell]] = {}
     references: dict[tuple[str, str], Path] = {}
     for model_type in model_types:
         model_dir = work_dir / model_type / "initial_model"
         save_initial_model(model_type, model_dir)
         for precision in precisions:
-            reference = work_dir / model_type / precision / "reference"
-            why = run_reference(model_dir, precision, reference)
-            cells = [Cell(model_type, precision, s, work_dir / model_type / precision / s, model_dir)
+            column = column_suffix(precision, peft).replace(" ", "_")
+            reference = work_dir / model_type / column / "reference"
+            why = run_reference(model_dir, precision, reference, peft)
+            cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft)
                      for s in STRATEGIES]
             for cell in cells:
                 if why:
@@ -233,12 +274,12 @@ def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Pat
     return rows
 
 
-def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str) -> str:
+def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str, peft: str = "none") -> str:
     """The matrix as Markdown: a row per architecture, a column per strategy and precision,
     then each cell's reason where it is not exact."""
     columns = [(s, p) for p in precisions for s in STRATEGIES]
     lines = [f"Made by `{command}`.", "",
-             "| architecture | " + " | ".join(f"{s} {p}" for s, p in columns) + " |",
+             "| architecture | " + " | ".join(f"{s} {column_suffix(p, peft)}" for s, p in columns) + " |",
              "|---|" + "---|" * len(columns)]
     notes = []
     for model_type, cells in rows.items():
@@ -261,6 +302,9 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"),
                         help="where the runs go (default outputs/certify); a run folder there is overwritten")
     parser.add_argument("--out", type=Path, default=None, help="also write the matrix to this Markdown file")
+    parser.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
+                        help="lora or dora: train adapters on the frozen initial weights instead of every weight, "
+                             "and check adapter/ with peft (default none)")
     args = parser.parse_args(list(argv))
     model_types = args.model_types or list(TINY)
     unknown = [m for m in model_types if m not in TINY]
@@ -270,10 +314,11 @@ def main(argv: Sequence[str]) -> None:
             (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(TINY)} "
              "(runner/certify/architectures.py lists them)" if unknown else
              f"--precision {args.precision}: give fp32, bf16 or fp32,bf16"))
-    rows = certify(model_types, precisions, args.work_dir)
+    rows = certify(model_types, precisions, args.work_dir, args.peft)
     shown = ["--precision", args.precision] if precisions != ["fp32"] else []
+    shown += ["--peft", args.peft] if args.peft != "none" else []
     command = " ".join(["runner certify", *args.model_types, *shown])
-    text = render(rows, precisions, command)
+    text = render(rows, precisions, command, args.peft)
     sys.stdout.write("\n" + text)
     if args.out:
         args.out.write_text(text)

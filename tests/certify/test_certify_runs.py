@@ -38,6 +38,26 @@ def test_the_published_matrix_is_what_the_command_prints(tmp_path):
     assert len(rows) >= 8 and any(row.startswith("| mixtral |") for row in rows)
 
 
+ADAPTERS_PAGE = PAGE.parent / "adapters.md"
+LORA_BLOCK = re.compile(r"<!-- certify-lora:begin -->\n(.*?)<!-- certify-lora:end -->", re.S)
+
+
+@pytest.mark.timeout(1800)
+def test_the_published_lora_matrix_is_what_the_command_prints(tmp_path):
+    """Adapters under every strategy: GPT-2, a grouped-query Llama, Qwen3 and a mixture of
+    experts, each strategy's adapter/ loaded with peft against one process's."""
+    out = tmp_path / "matrix.md"
+    done = certify("gpt2", "llama", "qwen3", "mixtral", "--peft", "lora", "--work-dir", str(tmp_path / "runs"),
+                   "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    published = LORA_BLOCK.search(ADAPTERS_PAGE.read_text())
+    assert published, "docs/adapters.md has no certify-lora block"
+    assert out.read_text() == published.group(1), (
+        "docs/adapters.md's LoRA matrix is not what `runner certify --peft lora` prints now; paste this between "
+        "its markers:\n" + out.read_text())
+    assert out.read_text().count("| exact | exact | exact | exact |") == 4
+
+
 def test_a_strategy_that_fails_is_named_and_the_others_still_run(tmp_path):
     """zero2's rank 1 crashes at step 3 of its first leg: that launch ends there; zero3
     and fsdp run in the next one, ddp's run before it stands, and the resumes follow."""

@@ -96,3 +96,53 @@ def test_an_unknown_architecture_is_one_line_naming_those_it_knows(capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err
     assert "no tiny config for model type(s) bert" in err and "llama" in err
+
+
+def _adapter_folder(path: Path, base: GPT2LMHeadModel, scale: float) -> Path:
+    """A run folder's adapter/: rank-4 LoRA on the base, lora_B set to `scale` (0: untrained)."""
+    from peft import get_peft_model
+
+    from runner.components.adapters import lora_config
+    from runner.config.spec import PeftKind, PeftSpec
+
+    copy = GPT2LMHeadModel(base.config)
+    copy.load_state_dict(base.state_dict())
+    torch.manual_seed(1)  # lora_A's random init: the same in every folder
+    wrapped = get_peft_model(copy, lora_config(PeftSpec(kind=PeftKind.lora, rank=4)))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.fill_(scale)
+    wrapped.save_pretrained(path / "adapter")
+    return path
+
+
+def _lora_cell(tmp_path: Path, reference) -> tuple[Cell, Path]:
+    ref, model, losses, norms = reference
+    model.save_pretrained(tmp_path / "initial_model")
+    _adapter_folder(ref, model, 0.01)
+    cell = Cell("gpt2", "fp32", "zero3", tmp_path / "zero3", tmp_path / "initial_model", peft="lora")
+    _run_folder(cell.run_dir, model, losses, norms)
+    return cell, ref
+
+
+def test_an_adapter_with_the_references_weights_is_exact_and_other_weights_are_not(tmp_path, reference):
+    cell, ref = _lora_cell(tmp_path, reference)
+    _adapter_folder(cell.run_dir, reference[1], 0.01)
+    judge(cell, ref)
+    assert cell.verdict == "exact", cell.detail
+    _adapter_folder(cell.run_dir, reference[1], 0.02)  # another adapter, the same base
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("adapter/'s logits differ" in d for d in cell.detail), cell.detail
+    assert "gpt2 zero3 fp32 lora" == cell.name
+
+
+def test_an_untrained_reference_adapter_or_one_that_does_not_load_is_not_exact(tmp_path, reference):
+    cell, ref = _lora_cell(tmp_path, reference)
+    _adapter_folder(cell.run_dir, reference[1], 0.0)
+    _adapter_folder(ref, reference[1], 0.0)  # empty adapters match each other: that proves nothing
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("did not train" in d for d in cell.detail), cell.detail
+    (cell.run_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"truncated")
+    judge(cell, ref)
+    assert cell.verdict == "not exact" and any("does not load with PeftModel" in d for d in cell.detail), cell.detail
