@@ -41,7 +41,7 @@ def check_request(spec: RunSpec, world: Optional[int]) -> None:
         problems.append(f"train.per_device_batch_size=auto derives the accumulation from train.global_batch_size and "
                         f"the micro-batch it picks: remove train.grad_accum_steps={t.grad_accum_steps} (give only "
                         "train.global_batch_size).")
-    elif world and t.global_batch_size % world:
+    elif world and t.global_batch_size is not None and t.global_batch_size % world:
         problems.append(f"train.global_batch_size={t.global_batch_size} does not divide among {world} processes. "
                         "Change train.global_batch_size or launch.nproc_per_node.")
     if spec.launch.nnodes > 1:

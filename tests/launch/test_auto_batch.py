@@ -87,3 +87,14 @@ def test_auto_without_a_global_batch_is_refused_in_one_line(tmp_path):
                            f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "set train.global_batch_size=<sequences per optimizer step> too" in done.stderr
+
+
+def test_auto_without_a_global_batch_names_only_that_at_any_world_size(compose_spec):
+    """The check of the global batch's share per process must not run on a missing one."""
+    from runner.config.errors import UserError
+    from runner.launch.auto_batch import check_request
+
+    for world in (None, 1, 2):
+        with pytest.raises(UserError) as err:
+            check_request(compose_spec("recipe=gpt2_clm_tiny", "train.per_device_batch_size=auto"), world)
+        assert len(err.value.problems) == 1 and "set train.global_batch_size=" in err.value.problems[0]
