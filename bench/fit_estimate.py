@@ -9,6 +9,7 @@ micro-batch 4 x 128 tokens, the recipe's dropout on, the vendored corpus and tok
 
     python bench/fit_estimate.py                                # 48 cases, ~25 minutes on 2 CPU cores
     python bench/fit_estimate.py --archs gpt2 --strategies ddp,zero3 --precisions fp32 --checkpointing off
+    python bench/fit_estimate.py --peft lora                    # the same 48 cases training adapters
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ RUN = ["recipe=gpt2_clm_tiny", "data.block_size=128", "train.per_device_batch_si
        "train.eval_every=0", "data.max_eval_samples=2", "launch.nproc_per_node=2", "launch.check_fit=false"]
 
 
+def adapter_run(arch: str, base: Path, peft: str) -> list[str]:
+    """Overrides training `peft` adapters on the architecture's config, randomly initialised
+    once and saved as the pretrained base the adapters need."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.components.model import build_config
+    from runner.config.spec import ModelSpec
+
+    overrides = dict(o.split("=", 1) for o in ARCHS[arch])
+    spec = ModelSpec(model_type=overrides["model.model_type"], config_overrides=overrides["model.config_overrides"].strip('"'))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_config(spec)).save_pretrained(base)
+    return [f"model.name_or_path={base}", "model.config_overrides=null", f"peft={peft}"]
+
+
 def estimate_mb(run_dir: Path) -> float:
     """The plan's per-rank peak for the run's frozen spec."""
     from runner.config.spec import load_spec
@@ -55,6 +72,9 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(COMPARED_STRATEGIES))
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--checkpointing", default="off,on", help="model.gradient_checkpointing: off, on or both")
+    parser.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
+                        help="lora or dora: adapters on each architecture's frozen, randomly initialised weights "
+                             "(saved once, as a pretrained base) instead of training every weight")
     args = parser.parse_args()
     worst, rows = 1.0, []
     print("| arch | strategy | precision | checkpointing | estimate MB | measured MB | estimate/measured |")
@@ -62,10 +82,11 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
+            model = ARCHS[arch] if args.peft == "none" else adapter_run(arch, Path(tmp) / f"{arch}-base", args.peft)
             for precision in args.precisions.split(","):
                 for ckpt in args.checkpointing.split(","):
                     for strategy in args.strategies.split(","):
-                        extra = [*RUN, *ARCHS[arch], f"precision={precision}",
+                        extra = [*RUN, *model, f"precision={precision}",
                                  f"model.gradient_checkpointing={'true' if ckpt == 'on' else 'false'}"]
                         name = f"{arch}-{strategy}-{precision}-{ckpt}"
                         measured = max(tensor_peak_mb(strategy, Path(tmp) / name, extra))
