@@ -108,13 +108,20 @@ def active_parameters(config: Any, n_params: int, n_expert_params: int) -> float
     return n_params - n_expert_params * (1 - used / total)
 
 
-def model_flops_per_token(config: Any, n_params: int, block_size: int, n_expert_params: int = 0) -> float:
+def model_flops_per_token(config: Any, n_params: int, block_size: int, n_expert_params: int = 0,
+                          n_trainable: Optional[int] = None) -> float:
     """Training FLOPs per token (PaLM's 6N + 12·L·d·s): N the parameters a token uses
     (grouped-query attention and gated MLPs are in N as they are; a mixture of experts
-    counts its top-k experts), d attention's width (heads x head_dim)."""
+    counts its top-k experts), d attention's width (heads x head_dim). A frozen weight
+    (adapters on a frozen base: `n_trainable` of the `n_params`) costs its forward and the
+    backward to its input, 4 FLOPs a token, not the 2 more of its own gradient; its share
+    of the active parameters is taken as its share of all."""
     layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
-    return flops_per_token(active_parameters(config, n_params, n_expert_params), int(layers), attention_width(config),
-                           block_size)
+    active = active_parameters(config, n_params, n_expert_params)
+    full = flops_per_token(active, int(layers), attention_width(config), block_size)
+    if n_trainable is None or n_trainable >= n_params or n_params <= 0:
+        return full
+    return full - 2.0 * active * (n_params - n_trainable) / n_params
 
 
 def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:

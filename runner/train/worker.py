@@ -297,7 +297,8 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         stream=isinstance(sampler, BlockStream),
         data_record=data_record,
         spec_yaml=spec_to_yaml(spec),
-        flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model))),
+        flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model)),
+                                              plan.trainable),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
     )
 

@@ -109,3 +109,17 @@ def test_attention_flops_use_heads_times_head_dim_not_the_hidden_size():
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=32, num_hidden_layers=2)
     assert model_flops_per_token(config, 1000, 16) == 6 * 1000 + 12 * 2 * (4 * 32) * 16
     assert model_flops_per_token(type("GPT2Like", (), {"n_layer": 2, "n_embd": 64})(), 1000, 16) == 6 * 1000 + 12 * 2 * 64 * 16
+
+
+def test_a_frozen_base_costs_four_flops_a_parameter_and_the_adapters_six():
+    """Adapters on a frozen base: no weight gradient for the base (2 FLOPs a token less
+    per frozen parameter); attention's term is unchanged (it has no weights)."""
+    from transformers import GPT2Config
+
+    from runner.report.flops import model_flops_per_token
+
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=2)
+    full = model_flops_per_token(config, 1_000_000, 128)
+    assert model_flops_per_token(config, 1_000_000, 128, n_trainable=1_000_000) == full
+    assert model_flops_per_token(config, 1_000_000, 128, n_trainable=10_000) == full - 2.0 * 990_000
+    assert full == 6.0 * 1_000_000 + 12.0 * 2 * 64 * 128
