@@ -137,6 +137,13 @@ _MANY_WORKERS = ("nproc_per_node=2", "nproc_per_node=3", "nproc_per_node=4", "--
 # builds a user's font cache); they cost no tier.
 _TOOLS = {"gcc", "g++", "cc", "c++", "ld", "ninja", "nvcc", "uname", "ldconfig", "lscpu", "numactl", "nvidia-smi", "which", "git",
           "fc-list"}
+_COMPILERS = {"gcc", "g++", "cc", "c++", "ld"}  # also under a target prefix: Debian's Python builds with x86_64-linux-gnu-gcc
+
+
+def _is_tool(program: str) -> bool:
+    return program in _TOOLS or program.rsplit("-", 1)[-1] in _COMPILERS
+
+
 _CLUSTER = ("srun", "sbatch", "squeue", "scontrol", "sacct", "ip netns", "test-cluster.sh", "nsenter")
 
 
@@ -193,7 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     def noting_popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
         command = args if isinstance(args, str) else " ".join(map(str, args))
-        if _ACTIVE and Path(command.split(" ", 1)[0]).name not in _TOOLS:
+        if _ACTIVE and not _is_tool(Path(command.split(" ", 1)[0]).name):
             _ACTIVE[-1].commands.append(command)
         popen_init(self, args, *rest, **kwargs)
 
