@@ -7,7 +7,7 @@ the CPU analogue of torch.cuda.max_memory_allocated) and their ratio, then one l
 `worst estimate/measured: R` (R furthest from 1). Every run: 2 processes, 3 steps,
 micro-batch 4 x 128 tokens, the recipe's dropout on, the vendored corpus and tokenizer.
 
-    python bench/fit_estimate.py                                # 48 cases, ~25 minutes on 2 CPU cores
+    python bench/fit_estimate.py                                # 48 cases, ~17 minutes on 2 CPU cores
     python bench/fit_estimate.py --archs gpt2 --strategies ddp,zero3 --precisions fp32 --checkpointing off
     python bench/fit_estimate.py --peft lora                    # the same 48 cases training adapters
 """
