@@ -4,7 +4,7 @@ Imported by each worker when this folder is on PYTHONPATH and RUNNER_BENCH_TENSO
 names an output folder. torch.profiler's memory recording runs from the start of
 `runner.train.worker.train` (before the model exists) to the end of the second optimizer
 step (the first allocates AdamW's state); every CPU allocation event carries the
-allocator's running total of bytes it handed out while recording, so the largest
+allocator's running total of live bytes (every thread's frees counted: below), so the largest
 total seen during step 2 is the peak of live tensors then. On a CPU that is what
 CUDA's max_memory_allocated is on a GPU: tensors only, without the interpreter,
 libraries, Python objects and allocator slack that the resident set (peak RSS) also
