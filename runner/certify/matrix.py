@@ -5,10 +5,10 @@ once and saved with save_pretrained: every run starts from those weights, as fro
 user's pretrained folder) and precision it runs, on the embedded data, dropout off:
 - a reference: one process, 8 sequences a step, 12 steps over two epoch boundaries;
 - each strategy (ddp, zero2, zero3, fsdp) at 2 processes x 4 sequences: the same global
-  batch, so the same math;
+  batch, so the same math. Each stops at an odd step mid-epoch (7), saving a checkpoint,
+  and a new run resumes it (resume=auto) to step 12;
 - with --peft lora (or dora), the same runs train adapters on the frozen initial weights,
-  and adapter/ is loaded with peft instead of model/ with from_pretrained. Each stops at an odd step mid-epoch (7), saving a checkpoint,
-  and a new run resumes it (resume=auto) to step 12.
+  and adapter/ is loaded with peft instead of model/ with from_pretrained.
 
 A cell is exact when every step's loss and gradient norm match the reference (fp32:
 1e-4 and 0.1%, runner/report/parity.py), the resume logged each step once, and the

@@ -82,12 +82,3 @@ def add_adapters(spec: PeftSpec, model: Any, gradient_checkpointing: bool = Fals
                         f"{str(err).strip().splitlines()[0]}. Change peft.target_modules (its linear layers: "
                         f"{linear}).") from None
 
-
-def parameter_counts(model: "torch.nn.Module") -> tuple[int, int]:
-    """(trainable, total) parameters. Counted on the model as built, before any sharding."""
-    trainable = total = 0
-    for p in model.parameters():
-        n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3 leaves an empty placeholder
-        total += n
-        trainable += n if p.requires_grad else 0
-    return trainable, total

@@ -310,13 +310,14 @@ def layer_parameters(model: PreTrainedModel) -> int | None:
     return None
 
 
-def count_parameters(model: "PreTrainedModel") -> int:
-    """Every parameter once, at its full size, whatever the strategy."""
+def count_parameters(model: "PreTrainedModel", trainable_only: bool = False) -> int:
+    """Every parameter once (or, `trainable_only`, those the optimizer updates), at its
+    full size, whatever the strategy."""
     # Tied weights (GPT-2's lm_head and wte) are one tensor; count it once.
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
-        if id(p) not in seen:
+        if id(p) not in seen and (p.requires_grad or not trainable_only):
             seen.add(id(p))
             # Under ZeRO-3 a partitioned parameter is an empty placeholder (numel() 0);
             # DeepSpeed keeps its full size in ds_numel.
@@ -326,10 +327,4 @@ def count_parameters(model: "PreTrainedModel") -> int:
 
 def count_trainable_parameters(model: "PreTrainedModel") -> int:
     """The parameters the optimizer updates (requires_grad), each once, at full size."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            total += int(getattr(p, "ds_numel", p.numel()))
-    return total
+    return count_parameters(model, trainable_only=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from runner.components.adapters import add_adapters, linear_layer_names, lora_config, parameter_counts
+from runner.components.adapters import add_adapters, linear_layer_names, lora_config
+from runner.components.model import count_trainable_parameters
 from runner.components.optim import build_optimizer
 from runner.config.errors import UserError
 from runner.config.spec import OptimSpec, PeftKind, PeftSpec
@@ -53,7 +54,7 @@ def test_only_the_adapters_train_and_only_they_get_gradients_and_adam_state(kind
         assert (p.grad is not None) == (name in trainable), name
     stated = {id(p) for p in optimizer.state}
     assert stated == {id(p) for n, p in wrapped.named_parameters() if n in trainable}
-    assert parameter_counts(wrapped)[0] == sum(p.numel() for n, p in wrapped.named_parameters() if n in trainable)
+    assert count_trainable_parameters(wrapped) == sum(p.numel() for n, p in wrapped.named_parameters() if n in trainable)
 
 
 def test_a_target_list_is_peft_names_and_modules_to_save_train_fully():
