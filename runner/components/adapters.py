@@ -25,6 +25,12 @@ def uses_adapters(spec: PeftSpec) -> bool:
     return spec.kind is not PeftKind.none
 
 
+def adapter_dropout(spec: PeftSpec) -> dict[str, float]:
+    """The adapters' own dropout, when on: like the model's, it draws masks per rank and
+    micro-batch, so a run in another layout cannot repeat it exactly."""
+    return {"peft.dropout": spec.dropout} if uses_adapters(spec) and spec.dropout > 0 else {}
+
+
 def lora_config(spec: PeftSpec) -> "LoraConfig":
     """peft's config for the spec: "all-linear" (every linear layer of the blocks, not the
     output head) unless a target list is given."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from runner.components.adapters import adapter_dropout
 from runner.components.model import build_config
 from runner.config.errors import UserError
 from runner.config.spec import RunSpec, load_spec
@@ -110,6 +111,15 @@ def job_model_config(job_dir: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def job_dropout(job_dir: Path) -> dict[str, float]:
+    """The job's dropout: its model's, and its adapters' (peft.dropout) from its run_spec.yaml."""
+    dropout = dropout_settings(job_model_config(job_dir) or {})
+    try:
+        return {**dropout, **adapter_dropout(load_spec(job_dir / "run_spec.yaml").peft)}
+    except (UserError, OSError, ValueError):
+        return dropout
+
+
 def job_world_size(job_dir: Path, spec: RunSpec) -> str:
     """The processes the job ran: one peak per rank in its results, else what its spec
     says (launch.nproc_per_node may be auto there, resolved on the machine it ran on)."""
@@ -149,7 +159,7 @@ def _compare(sweep_dir: Path, job: Job, reference: dict, baseline_dropout: dict[
         return JobParity()
     other = step_records(metrics)
     dloss, drel = max_differences(reference, other)
-    dropout = {**baseline_dropout, **dropout_settings(job_model_config(sweep_dir / job.name) or {})}
+    dropout = {**baseline_dropout, **job_dropout(sweep_dir / job.name)}
     if dropout:
         shown = ", ".join(f"{k}={v:g}" for k, v in sorted(dropout.items()))
         return JobParity(dloss, drel, "not expected", f"dropout on ({shown}): each layout draws its own masks")
@@ -174,7 +184,7 @@ def sweep_parity(sweep_dir: Path, jobs: Sequence[Job], setting: Optional[str]) -
     if not baseline.ok or not baseline_metrics.exists():
         return {}, [f"No parity columns: the baseline job {baseline.name} has no per-step metrics (status not ok)."]
     reference = step_records(baseline_metrics)
-    baseline_dropout = dropout_settings(job_model_config(sweep_dir / baseline.name) or {})
+    baseline_dropout = job_dropout(sweep_dir / baseline.name)
     baseline_numerics = job_numerics(sweep_dir / baseline.name)
     columns = {baseline.name: JobParity(0.0, 0.0, "baseline")}
     looser: dict[str, Tolerance] = {}

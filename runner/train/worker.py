@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from runner.components.adapters import ADAPTER_DIRNAME, add_adapters, uses_adapters
+from runner.components.adapters import ADAPTER_DIRNAME, adapter_dropout, add_adapters, uses_adapters
 from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
 from runner.components.data import prepare as prepare_data
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
@@ -313,7 +313,7 @@ def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Train
         trainer.restore(meta, resume_from)
         if accelerator.is_main_process:
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
-            note = inexact_layout_note(meta, trainer.plan, active_dropout(config))
+            note = inexact_layout_note(meta, trainer.plan, {**active_dropout(config), **adapter_dropout(spec.peft)})
             if note:
                 log.warning(f"runner: note: {note}")
     if accelerator.is_main_process:

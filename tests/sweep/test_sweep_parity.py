@@ -119,10 +119,13 @@ def test_parity_baseline_is_in_the_schema(compose_spec):
         compose_spec("recipe=gpt2_clm_tiny", "sweep.parity_basline=2")
 
 
-def with_spec(job_dir, strategy: str, precision: str, nproc: int = 1, micro: int = 8, accum: int = 1) -> None:
+def with_spec(job_dir, strategy: str, precision: str, nproc: int = 1, micro: int = 8, accum: int = 1,
+              peft: str = "none", peft_dropout: float = 0.05) -> None:
     """The frozen run_spec.yaml a job's folder holds (what its numerics are read from)."""
     from runner.config.spec import (
         LaunchSpec,
+        PeftKind,
+        PeftSpec,
         PrecisionKind,
         PrecisionSpec,
         RunSpec,
@@ -134,7 +137,8 @@ def with_spec(job_dir, strategy: str, precision: str, nproc: int = 1, micro: int
 
     spec = RunSpec(strategy=StrategySpec(kind=StrategyKind(strategy)), precision=PrecisionSpec(kind=PrecisionKind(precision)),
                    launch=LaunchSpec(nproc_per_node=str(nproc)),
-                   train=TrainSpec(per_device_batch_size=micro, grad_accum_steps=accum))
+                   train=TrainSpec(per_device_batch_size=micro, grad_accum_steps=accum),
+                   peft=PeftSpec(kind=PeftKind(peft), dropout=peft_dropout))
     save_spec(spec, job_dir / "run_spec.yaml")
 
 
@@ -230,3 +234,20 @@ def test_every_row_of_the_summary_table_lines_up_with_its_header():
     assert (first["train loss"], first["eval loss"], first["peak MB"], first["run"]) == ("1.5", "2.5", "300", "kept")
     second = dict(zip(names, (c.strip() for c in body[1].strip("|").split("|"))))
     assert second["run"] == "re-run: finished under other settings: train.max_steps: 8 -> 6" and second["train loss"] == "1.25"
+
+
+def test_the_adapters_dropout_makes_another_layout_not_expected_to_match(tmp_path):
+    """peft.dropout draws masks per rank and micro-batch like the model's own dropout (the
+    model here has none): another layout is not held to equal math; adapters without
+    dropout are."""
+    with_spec(make_job(tmp_path, 0, ["peft=lora"]), "ddp", "fp32", peft="lora")
+    with_spec(make_job(tmp_path, 1, ["peft=lora launch.nproc_per_node=2"], loss_shift=1e-3), "ddp", "fp32", nproc=2,
+              micro=4, peft="lora")
+    summarize(tmp_path)
+    rows = read_csv(tmp_path)
+    assert rows["1_abc1"]["parity"] == "not expected"
+    assert rows["1_abc1"]["parity_detail"] == "dropout on (peft.dropout=0.05): each layout draws its own masks"
+    for job in ("0_abc0", "1_abc1"):
+        with_spec(tmp_path / job, "ddp", "fp32", peft="lora", peft_dropout=0.0)
+    summarize(tmp_path)
+    assert read_csv(tmp_path)["1_abc1"]["parity"] == "FAILED"  # 1e-3 apart, nothing to excuse it

@@ -113,3 +113,18 @@ def test_the_auto_micro_batch_plans_and_probes_a_frozen_base(base, tmp_path):
               if line.strip().startswith("per_device_batch_size:")][0]
     assert int(chosen.split(":")[1]) in (1, 2, 4, 8)
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_a_layout_change_with_the_adapters_dropout_on_says_it_cannot_be_exact(base, tmp_path):
+    """The model's dropout off, the adapters' (0.05) on: the note names peft.dropout."""
+    run_dir = tmp_path / "run"
+    no_model_dropout = "model.config_overrides='resid_pdrop=0,embd_pdrop=0,attn_pdrop=0'"
+    first = subprocess.run(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=3", "train.save_every=3")),
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = subprocess.run(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=4", "train.per_device_batch_size=2",
+                                              "train.grad_accum_steps=2", "resume=auto")),
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "accepted change layout 1x4x1 -> 1x2x2" in other.stderr
+    assert "with dropout on (peft.dropout=0.05)" in other.stderr and "not exact" in other.stderr

@@ -1,0 +1,55 @@
+"""peft=lora across layouts (2 CPU processes, gloo): a resume in another layout continues
+at the exact sample, as full training does (tests/train/test_checkpoint_multiprocess.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import MICRO
+from runner.report.parity import parity_problems, step_records
+from test_adapters_run import base, logits  # noqa: F401 (base is a fixture)
+
+pytestmark = pytest.mark.multiprocess
+
+# Dropout off, the model's and the adapters': other layouts sum in another order, so
+# equal math (1e-4) is expected. 64 samples at a global batch of 8: 8 steps an epoch.
+RUN = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "data.max_train_samples",
+                                             "train.per_device_batch_size", "model.config_overrides"))] + [
+    "model.config_overrides='resid_pdrop=0,embd_pdrop=0,attn_pdrop=0'", "train.max_steps=12", "train.eval_every=0", "data.max_train_samples=64",
+    "schedule=constant", "peft=lora", "peft.dropout=0", "optim.lr=1e-2"]
+LAYOUTS = {"2x4x1": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
+           "1x4x2": ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
+           "1x8x1": ["train.per_device_batch_size=8"]}
+
+
+def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path):  # noqa: F811
+    """2 processes x 4 to step 3 (odd, mid-epoch), then 1 x 4 x 2 accumulation to step 12,
+    past the epoch boundary: every step's loss and gradient norm match one uninterrupted
+    1 x 8 run, and the adapters give its logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def run(run_dir, layout, *extra):
+        return [sys.executable, "-m", "runner", *RUN, f"model.name_or_path={base}", *LAYOUTS[layout], *extra,
+                f"hydra.run.dir={run_dir}"]
+
+    reference, cut = tmp_path / "reference", tmp_path / "cut"
+    done = subprocess.run(run(reference, "1x8x1"), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = subprocess.run(run(cut, "2x4x1", "train.max_steps=3", "train.save_every=3"), capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run(run(cut, "1x4x2", "resume=auto"), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "accepted change layout 2x4x1 -> 1x4x2" in resumed.stderr and "not exact" not in resumed.stderr
+    assert parity_problems(step_records(reference / "metrics.jsonl"), step_records(cut / "metrics.jsonl")) == []
+
+    def adapted(run_dir):
+        return logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter"))
+
+    assert (adapted(cut) - adapted(reference)).abs().max().item() <= 1e-5
+    assert (adapted(reference) - logits(AutoModelForCausalLM.from_pretrained(base))).abs().max().item() > 1e-3  # trained
