@@ -45,10 +45,14 @@ LORA_BLOCK = re.compile(r"<!-- certify-lora:begin -->\n(.*?)<!-- certify-lora:en
 @pytest.mark.timeout(1800)
 def test_the_published_lora_matrix_is_what_the_command_prints(tmp_path):
     """Adapters under every strategy: GPT-2, a grouped-query Llama, Qwen3 and a mixture of
-    experts, each strategy's adapter/ loaded with peft against one process's."""
+    experts, each strategy's adapter/ loaded with peft against one process's. And only the
+    adapters train: each rank's Adam state is the adapters' (ddp: all of it on each rank;
+    zero2, zero3, fsdp: split among the ranks), no frozen parameter gets a gradient."""
     out = tmp_path / "matrix.md"
+    probe = Path(__file__).parent / "adapter_state_probe.py"
+    env = patch_train_step(tmp_path, "self.state.step >= 1", f"exec(open({str(probe)!r}).read(), {{'self': self}})")
     done = certify("gpt2", "llama", "qwen3", "mixtral", "--peft", "lora", "--work-dir", str(tmp_path / "runs"),
-                   "--out", str(out))
+                   "--out", str(out), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     published = LORA_BLOCK.search(ADAPTERS_PAGE.read_text())
     assert published, "docs/adapters.md has no certify-lora block"
@@ -56,6 +60,25 @@ def test_the_published_lora_matrix_is_what_the_command_prints(tmp_path):
         "docs/adapters.md's LoRA matrix is not what `runner certify --peft lora` prints now; paste this between "
         "its markers:\n" + out.read_text())
     assert out.read_text().count("| exact | exact | exact | exact |") == 4
+    for arch in ("gpt2", "llama", "qwen3", "mixtral"):
+        for run in ("reference", "ddp", "zero2", "zero3", "fsdp"):
+            assert_only_adapters_hold_state(tmp_path / "runs" / arch / "fp32_lora" / run)
+
+
+def assert_only_adapters_hold_state(run_dir: Path) -> None:
+    import json
+
+    trainable = json.loads((run_dir / "all_results.json").read_text())["trainable_parameters"]
+    probes = [json.loads(p.read_text()) for p in sorted(run_dir.glob("state_probe_rank*.json"))]
+    assert len(probes) == (1 if run_dir.name == "reference" else 2), run_dir
+    for probe in probes:
+        assert probe["frozen"] > 0 and probe["frozen_with_grad"] == [], (run_dir, probe)
+    held = [p["adam_elements"] for p in probes]
+    if run_dir.name in ("reference", "ddp"):
+        assert held == [2 * trainable] * len(probes), (run_dir, held, trainable)
+    else:  # each rank a part; DeepSpeed pads its flat partitions to a multiple of the ranks
+        assert all(0 < h < 2 * trainable for h in held) and 2 * trainable <= sum(held) <= 2 * trainable + 64, (
+            run_dir, held, trainable)
 
 
 def test_a_strategy_that_fails_is_named_and_the_others_still_run(tmp_path):
