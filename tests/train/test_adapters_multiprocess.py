@@ -53,3 +53,39 @@ def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path
 
     assert (adapted(cut) - adapted(reference)).abs().max().item() <= 1e-5
     assert (adapted(reference) - logits(AutoModelForCausalLM.from_pretrained(base))).abs().max().item() > 1e-3  # trained
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_adapter_gives_the_sharded_trained_models_logits(base, tmp_path, strategy):  # noqa: F811
+    """adapter/ against the run's own trained model: its last checkpoint, whose sharded
+    parameters (DeepSpeed's partitions, FSDP2's DTensor shards) each library consolidates
+    with its own tool, independently of runner's gathering save, loaded into a fresh
+    PeftModel. Within 1e-5."""
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from runner.components.adapters import lora_config
+    from runner.config.spec import PeftKind, PeftSpec
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "runner", *RUN, f"model.name_or_path={base}", *LAYOUTS["2x4x1"],
+                           f"strategy={strategy}", "train.max_steps=5", "train.save_every=5", f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = run_dir / "checkpoints" / "step_5"
+    if strategy == "zero3":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(checkpoint / "pytorch_model_fsdp_0", tmp_path / "consolidated.pt")
+        state = torch.load(tmp_path / "consolidated.pt", weights_only=True)["model"]  # Accelerate saves {"model": ...}
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora_config(PeftSpec(kind=PeftKind.lora)))
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    assert adapters and all(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # trained, not zero
+    missing, unexpected = trained.load_state_dict(adapters, strict=False)
+    assert not unexpected and not [k for k in missing if ".lora_" in k], (missing, unexpected)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter")
+    torch.testing.assert_close(logits(adapter), logits(trained), rtol=0, atol=1e-5)
