@@ -19,6 +19,14 @@ of ZeRO-3's prefetcher) stayed in the total: step 2's peak drifted up by 0 to 3 
 ZeRO-3's 49 MB gathered output heads from run to run. The flag is a plain exported
 global of libc10 (`FLAGS_caffe2_report_cpu_memory_usage`, verified on torch 2.13.0); it
 is set before any tensor exists, so the total is every live tensor of the process.
+
+On a CPU `from_pretrained` maps the safetensors file: the weights of a pretrained base
+are pages of that file, not the allocator's, so no allocation event counts them. Where
+a strategy leaves them so (adapters on a frozen base under zero2 in fp32: DeepSpeed
+copies only what trains; ddp, ZeRO-3's partitions, FSDP's shards and a bf16 cast all
+copy them into the allocator) the step's peak reads low by the whole base, which on a
+GPU is device memory like any other. The bytes of the model's tensors stored in a
+mapped file (/proc/self/maps) are added to the peak.
 """
 
 import os
@@ -84,8 +92,27 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
             if event.typed[0] == _EventType.Allocation and str(event.typed[1].device) == "cpu":
                 if start_ns <= event.start_time_ns <= end_ns:
                     peak = max(peak, event.typed[1].total_allocated)
-        _write(self.accelerator.process_index, peak)
+        _write(self.accelerator.process_index, peak + _file_mapped_bytes(self.model))
         return done
+
+    def _file_mapped_bytes(model) -> int:  # type: ignore[no-untyped-def]
+        """Bytes of the model's tensors whose storage is a mapped file, not the allocator's."""
+        files = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[5].startswith("/"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                files.append((low, high))
+        from torch.distributed.tensor import DTensor
+
+        storages = {}
+        for tensor in [*model.parameters(), *model.buffers()]:
+            # FSDP2's parameters are DTensors: their storage is the local shard's
+            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            pointer = storage.data_ptr()
+            if any(low <= pointer < high for low, high in files):
+                storages[pointer] = storage.nbytes()  # tied weights share one storage
+        return sum(storages.values())
 
     def _write(rank, peak_bytes):  # type: ignore[no-untyped-def]
         out = Path(os.environ["RUNNER_BENCH_TENSOR_PEAK"])
