@@ -1,0 +1,176 @@
+"""Instruction examples: the loss boundary, truncation, packing, and proofs on real
+models that packing cannot leak (runner/components/instruct.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.components.instruct import (
+    IGNORE_INDEX,
+    Example,
+    build,
+    chat_example,
+    chat_segments,
+    fit_to_block,
+    model_inputs,
+    pack,
+    pad_batch,
+    prompt_completion_example,
+    renderer,
+    stack_packed,
+    token_losses,
+)
+from runner.config.errors import UserError
+from runner.config.paths import asset_path
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "No."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return asset_path("chat_template_plain.jinja").read_text()
+
+
+def trained_text(tokenizer, example: Example) -> str:
+    return tokenizer.decode([i for i, label in zip(example.input_ids, example.labels) if label != IGNORE_INDEX])
+
+
+def test_the_completion_and_eos_are_trained_and_no_prompt_token_is(tokenizer):
+    prompt, completion = "The capital of France is", " Paris."
+    example = prompt_completion_example(tokenizer, prompt, completion)
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    assert example.input_ids[:n_prompt] == tokenizer(prompt)["input_ids"]
+    assert example.labels[:n_prompt] == [IGNORE_INDEX] * n_prompt
+    assert example.labels[n_prompt] == example.input_ids[n_prompt] != IGNORE_INDEX  # the first completion token
+    assert example.input_ids[-1] == example.labels[-1] == tokenizer.eos_token_id
+    assert trained_text(tokenizer, example) == " Paris.<|endoftext|>"
+    everything = prompt_completion_example(tokenizer, prompt, completion, train_on_prompt=True)
+    assert everything.labels[1:] == everything.input_ids[1:] and everything.labels[0] == IGNORE_INDEX
+
+
+def test_a_chat_trains_the_assistant_turns_only(tokenizer, plain):
+    render = renderer(tokenizer, plain)
+    assert [trained for _, trained in chat_segments(CHAT, render)] == [False, True, False, True]
+    example = chat_example(tokenizer, CHAT, render)
+    assert trained_text(tokenizer, example) == "Hello.\n\nNo.\n\n<|endoftext|>"
+    assert tokenizer.decode(example.input_ids).startswith("### System:\nBe brief.")  # rendered once, no BOS added
+    assert tokenizer.decode(example.input_ids).count("### Assistant:") == 2
+
+
+def test_a_template_that_does_not_render_turn_by_turn_is_refused(tokenizer):
+    reversed_turns = "{% for m in messages|reverse %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(UserError, match="renders turn by turn"):
+        chat_example(tokenizer, CHAT, renderer(tokenizer, reversed_turns))
+
+
+def test_too_long_examples_are_truncated_keeping_the_answer_or_dropped():
+    example = Example(list(range(10)), [IGNORE_INDEX] * 6 + [6, 7, 8, 9])  # 6 prompt tokens, 4 trained
+    cut = fit_to_block(example, 6, "truncate")
+    assert cut.input_ids == [4, 5, 6, 7, 8, 9] and cut.labels == [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 8, 9]
+    short = fit_to_block(example, 3, "truncate")  # the answer does not fit: one prompt token, then its start
+    assert short.input_ids == [5, 6, 7] and short.labels == [IGNORE_INDEX, 6, 7]
+    assert fit_to_block(example, 6, "drop") is None and fit_to_block(example, 10, "drop") is example
+    rows, counts = build([example, Example([1, 2], [IGNORE_INDEX, 2])], 6, "truncate", packing=False, pad_id=0)
+    assert (counts.examples, counts.truncated, counts.dropped, counts.tokens, counts.trained_tokens) == (2, 1, 0, 8, 5)
+    _, dropped = build([example, Example([1, 2], [IGNORE_INDEX, 2])], 6, "drop", packing=False, pad_id=0)
+    assert (dropped.examples, dropped.dropped) == (1, 1)
+
+
+def test_packing_fills_rows_with_whole_examples_and_restarts_positions():
+    examples = [Example([1, 2, 3], [IGNORE_INDEX, 2, 3]), Example([4, 5], [IGNORE_INDEX, 5]),
+                Example([6, 7, 8, 9], [IGNORE_INDEX, 7, 8, 9])]
+    rows = pack(examples, 6, pad_id=0)
+    assert rows == [
+        {"input_ids": [1, 2, 3, 4, 5, 0], "labels": [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5, IGNORE_INDEX],
+         "position_ids": [0, 1, 2, 0, 1, 0]},
+        {"input_ids": [6, 7, 8, 9, 0, 0], "labels": [IGNORE_INDEX, 7, 8, 9, IGNORE_INDEX, IGNORE_INDEX],
+         "position_ids": [0, 1, 2, 3, 0, 1]},
+    ]
+    _, counts = build(examples, 6, "truncate", packing=True, pad_id=0)
+    assert counts.rows == 2 and counts.packing_efficiency == pytest.approx(9 / 12)
+
+
+# ---------------------------------------------------------------- proofs on real models
+ARCHS = ["gpt2", "llama", "qwen3"]  # absolute positions; rotary with grouped-query attention; rotary with QK-norm
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    from transformers import AutoModelForCausalLM
+
+    from runner.certify.architectures import TINY
+    from runner.components.model import build_config
+    from runner.config.spec import ModelSpec
+
+    torch.manual_seed(0)
+    config = build_config(ModelSpec(model_type=request.param, config_overrides=TINY[request.param]))
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def random_examples(seed: int, lengths: list[int], prompt: int = 3) -> list[Example]:
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for n in lengths:
+        ids = torch.randint(0, 50000, (n,), generator=generator).tolist()
+        examples.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+    return examples
+
+
+def per_example_losses(model, rows: list[dict], packed: bool) -> list[float]:
+    """Each example's mean token loss, read off the rows by its segments."""
+    with torch.no_grad():
+        batch = stack_packed(rows) if packed else pad_batch(rows, pad_id=0)
+        losses, mask = token_losses(model, batch)
+    out = []
+    for r in range(len(rows)):
+        starts = [i for i, p in enumerate(batch["position_ids"][r].tolist()) if p == 0] if packed else [0]
+        bounds = starts + [batch["input_ids"].shape[1]]
+        for lo, hi in zip(bounds, bounds[1:]):
+            m = mask[r, lo:hi - 1]  # targets of tokens lo+1 .. hi-1: this segment's own
+            if m.any():
+                out.append((losses[r, lo:hi - 1].sum() / m.sum()).item())
+    return out
+
+
+def test_changing_one_example_leaves_every_other_examples_logits_in_its_row_unchanged(model):
+    examples = random_examples(0, [9, 7, 11])
+    rows = pack(examples, 32, pad_id=0)
+    assert len(rows) == 1
+    changed = [examples[0], random_examples(1, [7])[0], examples[2]]
+    with torch.no_grad():
+        before = model(**model_inputs(stack_packed(rows))).logits
+        after = model(**model_inputs(stack_packed(pack(changed, 32, pad_id=0)))).logits
+    same = list(range(0, 9)) + list(range(16, 27))  # the first and the third example's positions
+    assert torch.equal(before[0, same], after[0, same])  # exact
+    assert not torch.equal(before[0, 9:16], after[0, 9:16])  # the changed one did change
+
+
+def test_packed_per_example_losses_equal_each_example_run_alone(model):
+    examples = random_examples(2, [9, 7, 11, 5, 13])
+    rows = pack(examples, 32, pad_id=0)
+    assert len(rows) == 2  # several examples a row, and a second row
+    alone = [per_example_losses(model, [{"input_ids": e.input_ids, "labels": e.labels}], packed=False)[0]
+             for e in examples]
+    assert per_example_losses(model, rows, packed=True) == pytest.approx(alone, abs=1e-5)
+
+
+def test_packed_and_padded_token_weighted_losses_agree(model):
+    examples = random_examples(3, [9, 7, 11, 5, 13, 6])
+    with torch.no_grad():
+        packed_losses, packed_mask = token_losses(model, stack_packed(pack(examples, 32, pad_id=0)))
+        padded_losses, padded_mask = token_losses(model, pad_batch(
+            [{"input_ids": e.input_ids, "labels": e.labels} for e in examples], pad_id=0))
+    assert packed_mask.sum() == padded_mask.sum() == sum(len(e) - 3 for e in examples)
+    packed = (packed_losses.sum() / packed_mask.sum()).item()
+    padded = (padded_losses.sum() / padded_mask.sum()).item()
+    assert packed == pytest.approx(padded, abs=1e-5)
