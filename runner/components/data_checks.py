@@ -179,8 +179,44 @@ def _check_column(columns: list[str], path: Path, override: str, text_column: Op
 
 def check_data_files(data: DataSpec) -> list[str]:
     problems: list[str] = []
-    if data.train_file:
-        problems += check_file(data.train_file, "data.train_file", data.text_column)
-    if data.validation_file:
-        problems += check_file(data.validation_file, "data.validation_file", data.text_column)
+    fields = _instruction_fields(data)
+    for override, path in (("data.train_file", data.train_file), ("data.validation_file", data.validation_file)):
+        if path:
+            problems += check_file(path, override, data.text_column) if fields is None else \
+                check_records(path, override, fields)
     return problems
+
+
+def _instruction_fields(data: DataSpec) -> Optional[dict[str, str]]:
+    """Instruction formats: the fields every record needs, by the setting naming each."""
+    if data.format.value == "prompt_completion":
+        return {"data.prompt_field": data.prompt_field, "data.completion_field": data.completion_field}
+    if data.format.value == "chat":
+        return {"data.messages_field": data.messages_field}
+    return None
+
+
+def check_records(path_str: str, override: str, fields: dict[str, str]) -> list[str]:
+    """An instruction file: JSON records, each with the format's fields."""
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        return [f"{override}: no such file '{path}'. Fix the path ({override}=/path/to/file.jsonl)."]
+    suffix, gz = split_suffix(path.name)
+    try:
+        count = 0
+        for number, record in _json_records(path, gz):
+            count += 1
+            if not isinstance(record, dict):
+                return [f"{override}: {path}:{number}: expected a JSON object per line, got {type(record).__name__}."]
+            missing = [(setting, name) for setting, name in fields.items() if record.get(name) is None]
+            if missing:
+                setting, name = missing[0]
+                return [f"{override}: {path}:{number}: this record has no '{name}' (it has: {', '.join(record)}). "
+                        f"Set {setting} to the field that holds it, or fix that record."]
+        return [] if count else [f"{override}: '{path}' holds no records."]
+    except MalformedLine as err:
+        return [f"{override}: {path}:{err.line}: malformed JSON ({err.reason}). Fix or remove that line."]
+    except json.JSONDecodeError as err:
+        return [f"{override}: {path}:{err.lineno}: malformed JSON ({err.msg})."]
+    except (UnicodeDecodeError, OSError, EOFError) as err:
+        return [f"{override}: cannot read '{path}': {err}."]

@@ -199,8 +199,9 @@ def pad_batch(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Any]:
 
     longest = max(len(r["input_ids"]) for r in rows)
 
-    def padded(values: Sequence[int], fill: int) -> list[int]:
-        return list(values) + [fill] * (longest - len(values))
+    def padded(values: Any, fill: int) -> list[int]:
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        return values + [fill] * (longest - len(values))
 
     return {
         "input_ids": torch.tensor([padded(r["input_ids"], pad_id) for r in rows]),
@@ -217,12 +218,14 @@ def stack_packed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {key: torch.stack([torch.as_tensor(r[key]) for r in rows]) for key in ("input_ids", "labels", "position_ids")}
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The forward's arguments for a batch, without its labels and with no cache: a
-    model that builds a cache (GPT-2 does whenever use_cache is on, its config's
-    default) skips the packed-sequence mask, and packed examples would attend to each
-    other. tests/components/test_instruct.py fails on that leak."""
-    return {**{k: v for k, v in batch.items() if k != "labels"}, "use_cache": False}
+def model_inputs(batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
+    """The forward's arguments for a batch (its labels only if asked). A packed batch
+    (position ids, no attention mask) runs with no cache: a model that builds one (GPT-2
+    does whenever use_cache is on, its config's default) skips the packed-sequence mask,
+    and packed examples would attend to each other. tests/components/test_instruct.py
+    fails on that leak."""
+    inputs = {k: v for k, v in batch.items() if labels or k != "labels"}
+    return {**inputs, "use_cache": False} if "position_ids" in batch else inputs
 
 
 def token_losses(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
@@ -250,3 +253,52 @@ def renderer(tokenizer: Any, template: Optional[str]) -> Callable[..., str]:
                                              add_generation_prompt=add_generation_prompt)
 
     return render
+
+
+def chat_template_text(setting: Optional[str], tokenizer: Any) -> str:
+    """data.chat_template as Jinja text: a file's contents, the setting itself, else the
+    tokenizer's own template; refused when there is none."""
+    import os
+
+    from runner.config.errors import UserError
+
+    if setting:
+        path = os.path.expanduser(setting)
+        return open(path, encoding="utf-8").read() if os.path.isfile(path) else setting
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.chat_template)
+    raise UserError("data.format=chat needs a chat template, and this tokenizer has none (GPT-2's has none): set "
+                    "data.chat_template=<a .jinja file or the template itself>, e.g. "
+                    "data.chat_template=${asset:chat_template_plain.jinja}, runner's plain one.")
+
+
+def record_examples(records: Any, fmt: str, names: dict[str, str], tokenizer: Any, template: Optional[str],
+                    train_on_prompt: bool, where: str) -> list[Example]:
+    """Each record of a split as an Example. `names` maps the settings prompt_field,
+    completion_field and messages_field to the records' field names. A record without
+    its field, or with a value of the wrong kind, is refused naming the record."""
+    from runner.config.errors import UserError
+
+    render = renderer(tokenizer, template) if fmt == "chat" else None
+    examples = []
+    for index, record in enumerate(records):
+        def value(setting: str) -> Any:
+            name = names[setting]
+            if record.get(name) is None:
+                raise UserError(f"{where}: record {index} has no '{name}' (it has: {', '.join(record)}). Set "
+                                f"data.{setting} to the field that holds it, or fix the record.")
+            return record[name]
+
+        if fmt == "prompt_completion":
+            prompt, completion = value("prompt_field"), value("completion_field")
+            if not isinstance(prompt, str) or not isinstance(completion, str):
+                raise UserError(f"{where}: record {index}'s prompt and completion must be text.")
+            examples.append(prompt_completion_example(tokenizer, prompt, completion, train_on_prompt))
+        else:
+            messages = value("messages_field")
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                         for m in messages):
+                raise UserError(f"{where}: record {index}'s '{names['messages_field']}' must be a list of "
+                                "{role, content} messages.")
+            examples.append(chat_example(tokenizer, messages, render, train_on_prompt))  # type: ignore[arg-type]
+    return examples

@@ -69,6 +69,17 @@ class PeftKind(str, enum.Enum):
     dora = "dora"  # weight-decomposed LoRA (peft's use_dora)
 
 
+class DataFormat(str, enum.Enum):
+    text = "text"  # run_clm: raw text, concatenated and cut into blocks
+    prompt_completion = "prompt_completion"  # two fields per record; loss on the completion
+    chat = "chat"  # a list of {role, content} messages; loss on the assistant turns
+
+
+class TooLong(str, enum.Enum):
+    truncate = "truncate"
+    drop = "drop"
+
+
 class AttnImplementation(str, enum.Enum):
     eager = "eager"
     sdpa = "sdpa"
@@ -164,6 +175,28 @@ class DataSpec:
     every evaluation). With a validation file or split: its first N blocks (null: all of
     it). Without one: the first N blocks of the training stream are held out from
     training (null: 100)."""
+    format: DataFormat = DataFormat.text
+    """text: run_clm's path (the default). prompt_completion: .json/.jsonl records with a
+    prompt and a completion; chat: records with a list of {role, content} messages. Both
+    train on the answer only and keep each example whole (docs/instruction-data.md)."""
+    prompt_field: str = "prompt"
+    """prompt_completion: the record's prompt field."""
+    completion_field: str = "completion"
+    """prompt_completion: the record's completion field."""
+    messages_field: str = "messages"
+    """chat: the record's list of messages."""
+    chat_template: Optional[str] = None
+    """chat: a Jinja chat template, as a file path or the template itself. null: the
+    tokenizer's own (GPT-2's has none: ${asset:chat_template_plain.jinja} is a plain one)."""
+    train_on_prompt: bool = False
+    """Instruction formats: also train on the prompt and the user and system turns."""
+    too_long: TooLong = TooLong.truncate
+    """Instruction formats: an example longer than block_size is truncated (the answer kept
+    where it fits) or dropped; the counts are reported."""
+    packing: bool = False
+    """Instruction formats: whole examples packed into rows of block_size, position ids
+    restarting and attention kept within each example. false: one example a row, padded
+    to the longest in its batch."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from runner.config.batch import accumulation_for
-from runner.config.spec import PeftKind, RunSpec, StrategyKind
+from runner.config.spec import DataFormat, DataSpec, PeftKind, RunSpec, StrategyKind
 
 
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
@@ -175,6 +175,43 @@ def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]
     return []
 
 
+def check_format(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
+    """Instruction formats' settings, and what they cannot do yet."""
+    d, p = spec.data, []
+    if d.format is DataFormat.text:
+        defaults = DataSpec()
+        set_here = [k for k, v in (("data.packing", d.packing), ("data.train_on_prompt", d.train_on_prompt),
+                                   ("data.chat_template", d.chat_template),
+                                   ("data.prompt_field", d.prompt_field != defaults.prompt_field),
+                                   ("data.completion_field", d.completion_field != defaults.completion_field),
+                                   ("data.messages_field", d.messages_field != defaults.messages_field),
+                                   ("data.too_long", d.too_long is not defaults.too_long)) if v]
+        if set_here:
+            p.append(f"{', '.join(set_here)} set with data.format=text (run_clm's raw text, grouped into blocks): "
+                     "set data.format=prompt_completion or chat, or remove them.")
+        return p
+    if d.chat_template and d.format is not DataFormat.chat:
+        p.append(f"data.chat_template is for data.format=chat, not {d.format.value}: set data.chat_template=null.")
+    if d.streaming:
+        p.append(f"data.format={d.format.value} reads its examples into the cache; data.streaming=true is for "
+                 "data.format=text so far. Set data.streaming=false.")
+    json_files = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+    if any(f and not str(f).endswith(json_files) for f in (d.train_file, d.validation_file)):
+        p.append(f"data.format={d.format.value} reads .json or .jsonl records (optionally .gz); "
+                 f"{d.train_file if not str(d.train_file).endswith(json_files) else d.validation_file} is not one. "
+                 "Convert it, or set data.format=text.")
+    micro_batches = (world_size or 1) * spec.train.grad_accum_steps
+    if micro_batches > 1:
+        # Each micro-batch's loss is the mean over its own answer tokens; with several
+        # micro-batches a step would weight them per micro-batch, not per token, and
+        # another layout would train other numbers.
+        p.append(f"data.format={d.format.value} trains on {micro_batches} micro-batches a step here "
+                 f"({world_size or 1} processes x {spec.train.grad_accum_steps} accumulated), and the answer tokens "
+                 "are not yet weighted across micro-batches: run 1 process with train.grad_accum_steps=1 "
+                 "(raise train.per_device_batch_size instead).")
+    return p
+
+
 def check_peft(spec: RunSpec) -> list[str]:
     """Adapters need a pretrained base, sane sizes, and settings that do something."""
     pe, p = spec.peft, []
@@ -229,6 +266,7 @@ def spec_problems(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
     launch.* is invalid, so the world size (and the batch arithmetic at it) is unknown."""
     problems: list[str] = accumulation_for(spec.train, world_size)[1] if world_size is not None else []
     problems += check_fsdp_world_size(spec, world_size)
+    problems += check_format(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     return problems

@@ -51,6 +51,9 @@ MATH = frozenset({
     "data.validation_split_percentage", "data.text_column", "data.keep_linebreaks", "data.block_size",
     "data.max_train_samples", "data.preprocessing_num_workers", "data.streaming", "data.shuffle_buffer",
     "data.validation_blocks",  # a stream without a validation file holds these blocks out of training
+    # instruction data: other examples, other masks, other rows
+    "data.format", "data.prompt_field", "data.completion_field", "data.messages_field", "data.chat_template",
+    "data.train_on_prompt", "data.too_long", "data.packing",
     "optim.kind", "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.max_grad_norm",
     "optim.scale_lr", "optim.reference_global_batch",
     # The same update by another kernel, but it would not take effect: torch's

@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from runner.components.instruct import IGNORE_INDEX, model_inputs
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -324,7 +325,7 @@ class Trainer:
         under fp16, skipped on an overflow)."""
         acc, s = self.accelerator, self.state
         with acc.accumulate(self.model):
-            loss = self.model(**batch).loss
+            loss = self.model(**model_inputs(batch, labels=True)).loss
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             if acc.sync_gradients:
                 self._check_finite(loss)
@@ -463,35 +464,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """eval_loss, perplexity and next-token accuracy over the validation blocks,
-        gathered across ranks (gather_for_metrics drops the padding duplicates)."""
+        """eval_loss, perplexity and next-token accuracy over the validation rows, gathered
+        across ranks (gather_for_metrics drops the padding duplicates). Token-weighted: the
+        sum of every trained token's loss over their number (labels -100 excluded), so
+        neither padding nor packing changes the figure; for run_clm's equal blocks it is
+        the mean of the blocks' means."""
         acc = self.accelerator
         self.model.eval()
-        losses, correct = [], []
+        sums, counts, correct = [], [], []
         started = time.perf_counter()
         for batch in self.eval_loader:
-            logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+            logits = self.model(**model_inputs(batch)).logits[:, :-1]
             if logits.dtype != torch.float32:  # bf16/fp16 logits: reduce in fp32
                 logits = logits.float()
             labels = batch["labels"][:, 1:]
+            trained = labels != IGNORE_INDEX
             # Cross-entropy as logsumexp - picked logit: one pass fewer over the
             # vocabulary than F.cross_entropy on the reshaped copy.
-            token_loss = torch.logsumexp(logits, dim=-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            per_sample_loss = token_loss.mean(dim=1)  # every block has the same length
-            per_sample_acc = (logits.argmax(-1) == labels).float().mean(dim=1)
-            losses.append(acc.gather_for_metrics(per_sample_loss))
-            correct.append(acc.gather_for_metrics(per_sample_acc))
+            picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            token_loss = (torch.logsumexp(logits, dim=-1) - picked) * trained
+            sums.append(acc.gather_for_metrics(token_loss.sum(dim=1)))
+            counts.append(acc.gather_for_metrics(trained.sum(dim=1)))
+            correct.append(acc.gather_for_metrics(((logits.argmax(-1) == labels) & trained).sum(dim=1)))
         self.strategy.after_evaluation(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
-        if not losses:
+        if not sums:
             return {}
-        eval_loss = torch.cat(losses).mean().item()
-        samples = sum(len(x) for x in losses)
+        tokens = torch.cat(counts).sum().clamp(min=1)
+        eval_loss = (torch.cat(sums).sum() / tokens).item()
+        samples = sum(len(x) for x in sums)
         runtime = time.perf_counter() - started
         return {
             "eval_loss": eval_loss,
             "perplexity": perplexity(eval_loss),
-            "eval_accuracy": torch.cat(correct).mean().item(),
+            "eval_accuracy": (torch.cat(correct).sum() / tokens).item(),
             "eval_samples": samples,
             "eval_runtime": round(runtime, 3),
             "eval_samples_per_second": round(samples / runtime, 3) if runtime > 0 else None,

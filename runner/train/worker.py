@@ -33,7 +33,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from runner.components.adapters import ADAPTER_DIRNAME, adapter_dropout, add_adapters, uses_adapters
-from runner.components.data import EpochSampler, PreparedData, collate, resolve_block_size
+from runner.components.data import EpochSampler, PreparedData, collate, collate_for, resolve_block_size
 from runner.components.data import prepare as prepare_data
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.components.model import (
@@ -212,6 +212,12 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
         data = prepare_data(spec.data, tokenizer, block_size)
     if accelerator.is_main_process:
         log.info(f"data: {'reused' if data.cache_hit else 'built'} {data.cache_path} in {data.seconds:.1f}s")
+        for split, c in (data.counts or {}).items():
+            rows = f"packed into {c['rows']:,} rows of {block_size} (packing efficiency {c['packing_efficiency']:.1%})" \
+                if spec.data.packing else f"one a row ({c['rows']:,} rows, padded per batch)"
+            log.info(f"data: {split}: {c['examples']:,} examples ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
+                     f"as longer than {block_size} tokens), {rows}; {c['trained_tokens']:,} of {c['tokens']:,} tokens "
+                     f"trained ({c['trained_share']:.1%})")
     return data
 
 
@@ -234,16 +240,18 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
             drop_last=True, generator=loader_generator(t.seed), pin_memory=pin,
         )
     else:
+        batches = collate_for(spec.data, data.pad_id)
         sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
         train_loader = DataLoader(
-            data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=collate,
+            data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=batches,
             num_workers=t.dataloader_num_workers, drop_last=False,
             generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
             pin_memory=pin,
         )
     evaluation = DataLoader(
         data.validation, batch_size=t.per_device_eval_batch_size or t.per_device_batch_size, shuffle=False,
-        collate_fn=collate, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
+        collate_fn=collate if isinstance(data, StreamedData) else collate_for(spec.data, data.pad_id),
+        num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
     )
     return Loaders(train_loader, evaluation, sampler)
 
@@ -375,6 +383,8 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     if accelerator.is_main_process:
         train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)
         train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
+        if isinstance(data, PreparedData) and data.counts:  # instruction formats: examples, rows, trained tokens
+            train_results["instruction_data"] = data.counts
         results = write_results(run_dir, train_results, eval_results or None)
         plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
         log.info(summary_table(results, run_dir))

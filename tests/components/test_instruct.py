@@ -174,3 +174,38 @@ def test_packed_and_padded_token_weighted_losses_agree(model):
     packed = (packed_losses.sum() / packed_mask.sum()).item()
     padded = (padded_losses.sum() / padded_mask.sum()).item()
     assert packed == pytest.approx(padded, abs=1e-5)
+
+
+# ---------------------------------------------------------------- settings
+def test_instruction_settings_are_refused_where_they_cannot_work(compose_spec):
+    from runner.config.validate import spec_problems
+
+    def problems(*overrides: str, world: int = 1) -> str:
+        return "\n".join(spec_problems(compose_spec("recipe=gpt2_sft_tiny", *overrides), world))
+
+    assert problems() == ""
+    assert "data.packing set with data.format=text" in problems("data.format=text",
+                                                                "data.train_file=${asset:austen.txt.gz}")
+    assert "data.streaming=true is for data.format=text" in problems("data.streaming=true")
+    assert "2 micro-batches a step here (2 processes x 1 accumulated)" in problems(world=2)
+    assert "(1 processes x 2 accumulated)" in problems("train.grad_accum_steps=2")
+    assert "reads .json or .jsonl records" in problems("data.train_file=${asset:austen.txt.gz}")
+    assert "data.chat_template is for data.format=chat" in problems("data.chat_template=x")
+
+
+def test_a_chat_without_a_template_is_refused_naming_the_plain_one(tokenizer):
+    from runner.components.instruct import chat_template_text
+
+    with pytest.raises(UserError, match=r"chat_template_plain.jinja"):
+        chat_template_text(None, tokenizer)
+    assert "### User:" in chat_template_text(str(asset_path("chat_template_plain.jinja")), tokenizer)
+    assert chat_template_text("{{ messages }}", tokenizer) == "{{ messages }}"
+
+
+def test_a_record_without_its_field_is_refused_naming_it(tokenizer):
+    from runner.components.instruct import record_examples
+
+    names = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages"}
+    with pytest.raises(UserError, match=r"record 1 has no 'completion' \(it has: prompt, answer\).*data.completion_field"):
+        record_examples([{"prompt": "a", "completion": "b"}, {"prompt": "a", "answer": "b"}], "prompt_completion",
+                        names, tokenizer, None, False, "train data (x.jsonl)")

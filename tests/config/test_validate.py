@@ -71,6 +71,11 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "data.validation_file": lambda tmp: str(tmp / "missing.txt"),
     "data.text_column": lambda tmp: "body",  # the recipe's data is a .txt file
     "data.cache_dir": lambda tmp: str(tmp / "a_file" / "cache"),
+    # instruction settings, refused with the micro run's data.format=text
+    "data.prompt_field": lambda tmp: "question",
+    "data.completion_field": lambda tmp: "answer",
+    "data.messages_field": lambda tmp: "conversation",
+    "data.chat_template": lambda tmp: "{{ messages }}",
     "launch.nproc_per_node": lambda tmp: "two",
     "launch.rdzv_endpoint": lambda tmp: "localhost",
     "launch.device_memory": lambda tmp: "A4O",  # neither a GPU's name nor a size

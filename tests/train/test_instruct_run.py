@@ -1,0 +1,82 @@
+"""Instruction data end to end, offline (recipe=gpt2_sft_tiny): it trains packed and
+unpacked, reports its examples, rows and trained tokens, and runner's own evaluation
+gives the same eval loss for the same examples packed and padded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.e2e]
+
+QUICK = ["recipe=gpt2_sft_tiny", "train.max_steps=4", "train.eval_every=0", "train.log_every=1",
+         "data.max_train_samples=32"]
+
+
+def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *QUICK, *extra, f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def packed_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("sft") / "packed"
+    done = run(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, done
+
+
+def test_the_offline_sft_example_trains_packed_and_reports_its_rows(packed_run):
+    run_dir, done = packed_run
+    counts = json.loads((run_dir / "all_results.json").read_text())["instruction_data"]
+    train = counts["train"]
+    assert train["examples"] == 1900 and train["dropped"] == 0  # 95% of 2,000; none longer than 256 tokens
+    assert train["rows"] < train["examples"] / 2 and 0.8 < train["packing_efficiency"] <= 1.0
+    assert 0.1 < train["trained_share"] < 0.5  # the completions (a sentence) and EOS, not the passages
+    assert train["trained_tokens"] == round(train["trained_share"] * train["tokens"]) or \
+        abs(train["trained_tokens"] / train["tokens"] - train["trained_share"]) < 1e-4
+    assert f"{train['examples']:,} examples (0 truncated, 0 dropped" in done.stderr
+    assert "packed into" in done.stderr and "packing efficiency" in done.stderr
+
+
+def test_unpacked_it_trains_one_example_a_row(tmp_path):
+    done = run(tmp_path / "padded", "data.packing=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = json.loads((tmp_path / "padded" / "all_results.json").read_text())["instruction_data"]["train"]
+    assert train["rows"] == train["examples"] == 1900 and train["packing_efficiency"] == 1.0
+
+
+def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
+    """runner's Trainer.evaluate on the recipe's validation examples, packed or padded."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from runner.components.data import collate_for, prepare
+    from runner.config.paths import asset_path
+    from runner.train.trainer import Trainer
+
+    spec = compose_spec("recipe=gpt2_sft_tiny", f"data.packing={str(packing).lower()}")
+    tokenizer = AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
+    data = prepare(spec.data, tokenizer, 256)
+    loader = DataLoader(data.validation, batch_size=4, collate_fn=collate_for(spec.data, data.pad_id))
+    holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader,
+                             strategy=SimpleNamespace(after_evaluation=lambda model: None))
+    return Trainer.evaluate(holder)  # type: ignore[arg-type]
+
+
+def test_packed_and_padded_evaluation_of_the_same_examples_agree(packed_run, compose_spec):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(packed_run[0] / "model")
+    packed, padded = evaluation(model, True, compose_spec), evaluation(model, False, compose_spec)
+    assert packed["eval_samples"] < padded["eval_samples"] == 100  # rows: several examples a row, or one
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], abs=1e-5)
+    assert packed["eval_accuracy"] == pytest.approx(padded["eval_accuracy"], abs=1e-6)
+    assert torch.isfinite(torch.tensor(packed["eval_loss"]))
