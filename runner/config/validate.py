@@ -175,7 +175,7 @@ def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]
     return []
 
 
-def check_format(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
+def check_format(spec: RunSpec) -> list[str]:
     """Instruction formats' settings, and what they cannot do yet."""
     d, p = spec.data, []
     if d.format is DataFormat.text:
@@ -200,15 +200,6 @@ def check_format(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
         p.append(f"data.format={d.format.value} reads .json or .jsonl records (optionally .gz); "
                  f"{d.train_file if not str(d.train_file).endswith(json_files) else d.validation_file} is not one. "
                  "Convert it, or set data.format=text.")
-    micro_batches = (world_size or 1) * spec.train.grad_accum_steps
-    if micro_batches > 1:
-        # Each micro-batch's loss is the mean over its own answer tokens; with several
-        # micro-batches a step would weight them per micro-batch, not per token, and
-        # another layout would train other numbers.
-        p.append(f"data.format={d.format.value} trains on {micro_batches} micro-batches a step here "
-                 f"({world_size or 1} processes x {spec.train.grad_accum_steps} accumulated), and the answer tokens "
-                 "are not yet weighted across micro-batches: run 1 process with train.grad_accum_steps=1 "
-                 "(raise train.per_device_batch_size instead).")
     return p
 
 
@@ -257,7 +248,7 @@ def check_sweep(spec: RunSpec) -> list[str]:
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_streaming,
-    check_peft, check_sweep,
+    check_format, check_peft, check_sweep,
 )
 
 
@@ -266,7 +257,6 @@ def spec_problems(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
     launch.* is invalid, so the world size (and the batch arithmetic at it) is unknown."""
     problems: list[str] = accumulation_for(spec.train, world_size)[1] if world_size is not None else []
     problems += check_fsdp_world_size(spec, world_size)
-    problems += check_format(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     return problems

@@ -95,6 +95,7 @@ class Trainer:
         max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps,
         stream: bool = False,
         data_record: Optional[dict[str, Any]] = None,
+        token_weighted: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
@@ -104,6 +105,10 @@ class Trainer:
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.plan = plan
+        # Instruction data: a step's loss is the sum over its answer tokens, on every rank
+        # and micro-batch, over their number (_token_weighted_windows); run_clm's blocks
+        # all have the same number of tokens, so the mean per micro-batch is that already.
+        self.token_weighted = token_weighted
         self.run_dir = run_dir
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps  # fp16 overflows in a row that stop the run
@@ -146,7 +151,8 @@ class Trainer:
         try:
             while s.step < plan.total_steps:
                 pass_start = s.step
-                for batch in self._timed(self._epoch_batches()):
+                batches = self._timed(self._epoch_batches())
+                for batch in self._token_weighted_windows(batches) if self.token_weighted else batches:
                     s.samples_in_epoch += self.samples_per_batch
                     if not self.train_step(batch):
                         continue
@@ -198,6 +204,34 @@ class Trainer:
                 else:
                     self.data_wait += waited
             yield batch
+
+    def _token_weighted_windows(self, batches: Any) -> Any:
+        """The batches, one optimizer step's at a time, each carrying the step's number of
+        trained tokens on all ranks (`num_items_in_batch`, one all-reduce a step), read
+        before the step's first micro-batch runs. A step's window is what is left of its
+        accumulation (Accelerate's micro-batch counter), cut short where the data ends."""
+        it = iter(batches)
+        accum = self.plan.grad_accum_steps
+        while True:
+            # Never read past the epoch's last batch: that would end Accelerate's loader
+            # (and its end-of-data step) before the window's micro-batches run.
+            left = len(self.train_loader) - self.batches_done_in_epoch()
+            window = list(islice(it, min(accum - self.accelerator.step % accum, left)))
+            if not window:
+                return
+            local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in window)
+            total = torch.tensor(float(local), device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                torch.distributed.all_reduce(total)
+            # Accelerate's loader marks the end of data when it hands out the last batch,
+            # here already read; the window's earlier micro-batches must not see it, or
+            # the step would be taken after the first of them.
+            loader = self.accelerator.gradient_state.active_dataloader
+            ended = bool(loader is not None and loader.end_of_dataloader)
+            for index, batch in enumerate(window):
+                if loader is not None:
+                    loader.end_of_dataloader = ended and index == len(window) - 1
+                yield {**batch, "num_items_in_batch": total, "window_micro_batches": len(window)}
 
     def _epoch_batches(self) -> Any:
         """This epoch's batches from the current data position (exact after a resume)."""
@@ -325,7 +359,18 @@ class Trainer:
         under fp16, skipped on an overflow)."""
         acc, s = self.accelerator, self.state
         with acc.accumulate(self.model):
-            loss = self.model(**model_inputs(batch, labels=True)).loss
+            items, micro = batch.pop("num_items_in_batch", None), batch.pop("window_micro_batches", None)
+            if items is None:
+                loss = logged = self.model(**model_inputs(batch, labels=True)).loss
+            else:
+                # transformers' loss: this micro-batch's token losses summed, over the step's
+                # trained tokens on all ranks. Backward averages over ranks (DDP, ZeRO,
+                # FSDP) and divides by the accumulation (Accelerate, DeepSpeed): undone here,
+                # so the step's gradient is that of the sum over all its tokens / their number.
+                # The log averages over ranks and the window's micro-batches.
+                share = self.model(**model_inputs(batch, labels=True), num_items_in_batch=items).loss
+                loss = share * (acc.num_processes * self.plan.grad_accum_steps)
+                logged = share * (acc.num_processes * micro)
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             if acc.sync_gradients:
                 self._check_finite(loss)
@@ -336,7 +381,7 @@ class Trainer:
                 else:
                     self._count_skip()
                 self.optimizer.zero_grad(set_to_none=True)
-        detached = loss.detach().float()
+        detached = logged.detach().float()
         s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
         s.loss_count += 1
         if not acc.sync_gradients:

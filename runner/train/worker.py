@@ -50,7 +50,7 @@ from runner.components.model import (
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
-from runner.config.spec import RunSpec, flat_spec_dict, load_spec, spec_to_yaml
+from runner.config.spec import DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged, check_in_sync, rank_fingerprints
 from runner.distributed.process_group import agree_on_spec, init_process_group
@@ -304,6 +304,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         sampler=sampler,
         stream=isinstance(sampler, BlockStream),
         data_record=data_record,
+        token_weighted=spec.data.format is not DataFormat.text,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model)),
                                               plan.trainable),
