@@ -55,11 +55,12 @@ def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path
     assert (adapted(reference) - logits(AutoModelForCausalLM.from_pretrained(base))).abs().max().item() > 1e-3  # trained
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
-def test_adapter_gives_the_sharded_trained_models_logits(base, tmp_path, strategy):  # noqa: F811
-    """adapter/ against the run's own trained model: its last checkpoint, whose sharded
-    parameters (DeepSpeed's partitions, FSDP2's DTensor shards) each library consolidates
-    with its own tool, independently of runner's gathering save, loaded into a fresh
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_path, strategy):  # noqa: F811
+    """adapter/ against the run's own trained model: its last checkpoint at 2 processes,
+    whose parameters each library reads with its own tool (DeepSpeed's zero_to_fp32 for
+    ZeRO's partitions, torch's dcp_to_torch_save for FSDP2's DTensor shards; ddp's is
+    one safetensors file), independently of runner's gathering save, loaded into a fresh
     PeftModel. Within 1e-5."""
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -73,7 +74,11 @@ def test_adapter_gives_the_sharded_trained_models_logits(base, tmp_path, strateg
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_5"
-    if strategy == "zero3":
+    if strategy == "ddp":
+        from safetensors.torch import load_file
+
+        state = load_file(checkpoint / "model.safetensors")
+    elif strategy in ("zero2", "zero3"):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
