@@ -302,3 +302,43 @@ def record_examples(records: Any, fmt: str, names: dict[str, str], tokenizer: An
                                 "{role, content} messages.")
             examples.append(chat_example(tokenizer, messages, render, train_on_prompt))  # type: ignore[arg-type]
     return examples
+
+
+def packing_leak(model: Any, vocab_size: int) -> float:
+    """How far packing moves an example's logits on this model: two short examples packed
+    in one row (position ids restarting) against the second run alone, in eval mode (no
+    dropout); the largest logit difference. 0 (to rounding) where the model honours the
+    restart (transformers' packed-sequence mask); large where it attends across
+    examples or reads positions elsewhere (OPT derives them from the attention mask).
+    Every rank runs it (a sharded model's forward is collective)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, vocab_size, (1, 6), generator=generator) for _ in range(2))
+    device = next(model.parameters()).device
+    packed = {"input_ids": torch.cat([first, second], dim=1).to(device),
+              "position_ids": torch.tensor([list(range(6)) * 2], device=device)}
+    alone = {"input_ids": second.to(device), "position_ids": torch.arange(6, device=device).unsqueeze(0)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            together = model(**model_inputs(packed)).logits[0, 6:].float()
+            apart = model(**model_inputs(alone)).logits[0].float()
+    finally:
+        model.train(was_training)
+    return float((together - apart).abs().max() / apart.abs().max().clamp(min=1.0))
+
+
+def check_packing(model: Any, vocab_size: int, precision: str, describe: str) -> None:
+    """Refuse packing on a model whose forward lets packed examples see each other:
+    logits moved by more than rounding (fp32: 1e-3 of their scale; bf16/fp16, whose
+    kernels round per shape: 5e-2)."""
+    from runner.config.errors import UserError
+
+    gap = packing_leak(model, vocab_size)
+    if gap > (1e-3 if precision == "fp32" else 5e-2):
+        raise UserError(f"data.packing=true: on this {describe} packed examples attend to each other (a probe moved "
+                        f"an example's logits by {gap:.2g} of their scale): its forward does not restart attention at "
+                        "the position ids (transformers' packed-sequence mask). Set data.packing=false: one example a "
+                        "row, padded, which is exact on any model.")

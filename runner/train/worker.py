@@ -33,6 +33,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from runner.components.adapters import ADAPTER_DIRNAME, adapter_dropout, add_adapters, uses_adapters
+from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, PreparedData, collate, collate_for, resolve_block_size
 from runner.components.data import prepare as prepare_data
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
@@ -133,6 +134,10 @@ def train(spec: RunSpec) -> dict[str, Any]:
     loaders = make_loaders(spec, data)
     model, optimizer, train_loader, eval_loader, optimizer_in_use = prepare_for_training(  # 5
         spec, strategy, accelerator, built.model, loaders)
+    if spec.data.packing:  # on the prepared model, every rank: a sharded forward is collective
+        check_packing(model, len(built.tokenizer), spec.precision.kind.value,
+                      f"{built.config.model_type} model (attn_implementation="
+                      f"{getattr(built.config, '_attn_implementation', None) or 'default'})")
     streamed = isinstance(data, StreamedData)
     plan = plan_run(
         spec, accelerator.num_processes,

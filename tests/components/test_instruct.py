@@ -208,3 +208,21 @@ def test_a_record_without_its_field_is_refused_naming_it(tokenizer):
     with pytest.raises(UserError, match=r"record 1 has no 'completion' \(it has: prompt, answer\).*data.completion_field"):
         record_examples([{"prompt": "a", "completion": "b"}, {"prompt": "a", "answer": "b"}], "prompt_completion",
                         names, tokenizer, None, False, "train data (x.jsonl)")
+
+
+@pytest.mark.parametrize("arch, leaks", [("gpt2", False), ("llama", False), ("opt", True)])
+def test_the_packing_probe_finds_a_model_that_lets_examples_attend_across(arch, leaks):
+    """OPT reads its positions from the attention mask, not position_ids: packed, its
+    examples see each other, and the probe says so."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.certify.architectures import TINY
+    from runner.components.instruct import packing_leak
+    from runner.components.model import build_config
+    from runner.config.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(ModelSpec(model_type=arch, config_overrides=TINY[arch])))
+    gap = packing_leak(model.train(), 50257)
+    assert (gap > 1e-3) is leaks, gap
+    assert model.training  # left as it was

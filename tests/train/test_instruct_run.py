@@ -80,3 +80,14 @@ def test_packed_and_padded_evaluation_of_the_same_examples_agree(packed_run, com
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], abs=1e-5)
     assert packed["eval_accuracy"] == pytest.approx(padded["eval_accuracy"], abs=1e-6)
     assert torch.isfinite(torch.tensor(packed["eval_loss"]))
+
+
+def test_packing_is_refused_on_a_model_that_lets_examples_attend_across(tmp_path):
+    """OPT reads positions from the attention mask: the probe on the prepared model refuses
+    it in one line, before the first step."""
+    opt = ("model.config_overrides='hidden_size=64,ffn_dim=128,num_hidden_layers=2,num_attention_heads=4,"
+           "max_position_embeddings=256,word_embed_proj_dim=64,vocab_size=50257'")
+    done = run(tmp_path / "opt", "model.model_type=opt", opt)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "data.packing=true: on this opt model" in done.stderr and "Set data.packing=false" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "opt" / "metrics.jsonl").exists()
