@@ -138,6 +138,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         check_packing(model, len(built.tokenizer), spec.precision.kind.value,
                       f"{built.config.model_type} model (attn_implementation="
                       f"{getattr(built.config, '_attn_implementation', None) or 'default'})")
+        strategy.after_evaluation(model)  # ZeRO-3: release what the probe's forwards gathered
     streamed = isinstance(data, StreamedData)
     plan = plan_run(
         spec, accelerator.num_processes,
