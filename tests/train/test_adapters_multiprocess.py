@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import MICRO
+from runner.certify.matrix import LOGITS_ATOL
 from runner.report.parity import parity_problems, step_records
 from test_adapters_run import base, logits  # noqa: F401 (base is a fixture)
 
@@ -29,7 +30,8 @@ LAYOUTS = {"2x4x1": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"]
 def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path):  # noqa: F811
     """2 processes x 4 to step 3 (odd, mid-epoch), then 1 x 4 x 2 accumulation to step 12,
     past the epoch boundary: every step's loss and gradient norm match one uninterrupted
-    1 x 8 run, and the adapters give its logits."""
+    1 x 8 run, and the adapters give its logits (within the 1e-4 another layout's
+    summation order allows)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +53,9 @@ def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path
     def adapted(run_dir):
         return logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter"))
 
-    assert (adapted(cut) - adapted(reference)).abs().max().item() <= 1e-5
+    # Another layout sums in another order, so after 12 steps the weights differ by
+    # rounding: held to certify's allowance for that (1e-4; seen up to 1.9e-5).
+    assert (adapted(cut) - adapted(reference)).abs().max().item() <= LOGITS_ATOL["fp32"]
     assert (adapted(reference) - logits(AutoModelForCausalLM.from_pretrained(base))).abs().max().item() > 1e-3  # trained
 
 
