@@ -91,3 +91,17 @@ def test_packing_is_refused_on_a_model_that_lets_examples_attend_across(tmp_path
     assert done.returncode == 2, done.stderr[-3000:]
     assert "data.packing=true: on this opt model" in done.stderr and "Set data.packing=false" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "opt" / "metrics.jsonl").exists()
+
+
+def test_a_resume_continues_bit_for_bit_with_dropout_on(packed_run, tmp_path):
+    """The recipe's dropout on: 2 steps and a checkpoint, then a resume to step 4, equals
+    the uninterrupted packed run at every step (its rows, its token weighting, its
+    random state)."""
+    from runs import losses
+
+    cut = tmp_path / "cut"
+    first = run(cut, "train.max_steps=2", "train.save_every=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run(cut, "train.save_every=2", "resume=auto")
+    assert resumed.returncode == 0 and "resum" in resumed.stderr, resumed.stderr[-3000:]
+    assert losses(cut) == losses(packed_run[0])
