@@ -194,9 +194,8 @@ def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedT
                 if split_counts.dropped else ""
             raise UserError(f"the {split} data ({where}) leaves no examples{dropped}. Give more records, raise "
                             "data.block_size, or set data.too_long=truncate.")
-        splits[split] = Dataset.from_list(rows) if rows else Dataset.from_dict({"input_ids": [], "labels": []})
-        counts[split] = {**{k: v for k, v in vars(split_counts).items() if k != "reasons"},
-                         "trained_share": round(split_counts.trained_share, 4),
+        splits[split] = Dataset.from_list(rows)
+        counts[split] = {**vars(split_counts), "trained_share": round(split_counts.trained_share, 4),
                          "packing_efficiency": round(split_counts.packing_efficiency, 4)}
     return DatasetDict(splits), counts
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from runner.config.spec import DataSpec
+from runner.config.spec import DataFormat, DataSpec
 
 # file suffix (after an optional .gz) -> datasets builder name
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -64,8 +64,10 @@ def _json_records(path: Path, gz: bool) -> Iterator[tuple[int, object]]:
                     raise MalformedLine(number, err.msg) from err
 
 
-def check_file(path_str: str, override: str, text_column: Optional[str]) -> list[str]:
-    """Problems with one local data file; empty when it is usable."""
+def check_file(path_str: str, override: str, text_column: Optional[str],
+               fields: Optional[dict[str, str]] = None) -> list[str]:
+    """Problems with one local data file; empty when it is usable. `fields`: an
+    instruction format's record fields (_instruction_fields), for .json/.jsonl records."""
     path = Path(path_str).expanduser()
     if not path.exists():
         return [f"{override}: no such file '{path}'. Fix the path ({override}=/path/to/file)."]
@@ -81,7 +83,8 @@ def check_file(path_str: str, override: str, text_column: Optional[str]) -> list
         if suffix == ".txt":
             return _check_text(path, gz, override)
         if suffix in (".json", ".jsonl"):
-            return _check_json(path, gz, override, text_column)
+            return _check_json(path, gz, override, text_column) if fields is None else \
+                _check_records(path, gz, override, fields)
         return _check_csv(path, gz, override, text_column)
     except UnicodeDecodeError as err:
         return [f"{override}: '{path}' is not UTF-8 (byte {err.start} of a chunk: {err.reason}). Re-encode it as UTF-8."]
@@ -182,26 +185,21 @@ def check_data_files(data: DataSpec) -> list[str]:
     fields = _instruction_fields(data)
     for override, path in (("data.train_file", data.train_file), ("data.validation_file", data.validation_file)):
         if path:
-            problems += check_file(path, override, data.text_column) if fields is None else \
-                check_records(path, override, fields)
+            problems += check_file(path, override, data.text_column, fields)
     return problems
 
 
 def _instruction_fields(data: DataSpec) -> Optional[dict[str, str]]:
     """Instruction formats: the fields every record needs, by the setting naming each."""
-    if data.format.value == "prompt_completion":
+    if data.format is DataFormat.prompt_completion:
         return {"data.prompt_field": data.prompt_field, "data.completion_field": data.completion_field}
-    if data.format.value == "chat":
+    if data.format is DataFormat.chat:
         return {"data.messages_field": data.messages_field}
     return None
 
 
-def check_records(path_str: str, override: str, fields: dict[str, str]) -> list[str]:
+def _check_records(path: Path, gz: bool, override: str, fields: dict[str, str]) -> list[str]:
     """An instruction file: JSON records, each with the format's fields."""
-    path = Path(path_str).expanduser()
-    if not path.is_file():
-        return [f"{override}: no such file '{path}'. Fix the path ({override}=/path/to/file.jsonl)."]
-    suffix, gz = split_suffix(path.name)
     try:
         count = 0
         for number, record in _json_records(path, gz):
@@ -218,5 +216,3 @@ def check_records(path_str: str, override: str, fields: dict[str, str]) -> list[
         return [f"{override}: {path}:{err.line}: malformed JSON ({err.reason}). Fix or remove that line."]
     except json.JSONDecodeError as err:
         return [f"{override}: {path}:{err.lineno}: malformed JSON ({err.msg})."]
-    except (UnicodeDecodeError, OSError, EOFError) as err:
-        return [f"{override}: cannot read '{path}': {err}."]

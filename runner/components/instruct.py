@@ -18,7 +18,7 @@ use_cache=False (model_inputs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 IGNORE_INDEX = -100  # the label transformers' loss skips
@@ -44,7 +44,6 @@ class Counts:
     trained_tokens: int = 0  # tokens predicted with a loss (labels not -100)
     rows: int = 0
     row_capacity: int = 0  # rows x block_size when packed; the examples' tokens otherwise
-    reasons: list[str] = field(default_factory=list)
 
     @property
     def trained_share(self) -> float:
@@ -228,18 +227,18 @@ def model_inputs(batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
     return {**inputs, "use_cache": False} if "position_ids" in batch else inputs
 
 
-def token_losses(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
-    """Per-token losses (next-token cross-entropy, fp32) and the mask of the trained ones,
-    aligned with batch["labels"][:, 1:]: the sum over the mask divided by its count is the
-    token-weighted loss, which neither padding nor packing changes."""
+def token_losses(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """A forward's logits and its batch's labels as per-token next-token losses (fp32) and
+    the mask of the trained ones, both aligned with labels[:, 1:] (zero where untrained):
+    their sum over the mask's count is the token-weighted loss, which neither padding nor
+    packing changes."""
     import torch
 
-    logits = model(**model_inputs(batch)).logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
+    logits = logits[:, :-1].float()  # a no-op in fp32; bf16/fp16 logits reduce in fp32
+    labels = labels[:, 1:]
     mask = labels != IGNORE_INDEX
     picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    losses = torch.logsumexp(logits, dim=-1) - picked
-    return losses * mask, mask
+    return (torch.logsumexp(logits, dim=-1) - picked) * mask, mask
 
 
 def renderer(tokenizer: Any, template: Optional[str]) -> Callable[..., str]:

@@ -196,10 +196,10 @@ def check_format(spec: RunSpec) -> list[str]:
         p.append(f"data.format={d.format.value} reads its examples into the cache; data.streaming=true is for "
                  "data.format=text so far. Set data.streaming=false.")
     json_files = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
-    if any(f and not str(f).endswith(json_files) for f in (d.train_file, d.validation_file)):
-        p.append(f"data.format={d.format.value} reads .json or .jsonl records (optionally .gz); "
-                 f"{d.train_file if not str(d.train_file).endswith(json_files) else d.validation_file} is not one. "
-                 "Convert it, or set data.format=text.")
+    others = [f for f in (d.train_file, d.validation_file) if f and not str(f).endswith(json_files)]
+    if others:
+        p.append(f"data.format={d.format.value} reads .json or .jsonl records (optionally .gz); {others[0]} is not "
+                 "one. Convert it, or set data.format=text.")
     return p
 
 

@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from runner.components.instruct import IGNORE_INDEX, model_inputs
+from runner.components.instruct import IGNORE_INDEX, model_inputs, token_losses
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -519,18 +519,12 @@ class Trainer:
         sums, counts, correct = [], [], []
         started = time.perf_counter()
         for batch in self.eval_loader:
-            logits = self.model(**model_inputs(batch)).logits[:, :-1]
-            if logits.dtype != torch.float32:  # bf16/fp16 logits: reduce in fp32
-                logits = logits.float()
-            labels = batch["labels"][:, 1:]
-            trained = labels != IGNORE_INDEX
-            # Cross-entropy as logsumexp - picked logit: one pass fewer over the
-            # vocabulary than F.cross_entropy on the reshaped copy.
-            picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            token_loss = (torch.logsumexp(logits, dim=-1) - picked) * trained
+            logits = self.model(**model_inputs(batch)).logits
+            token_loss, trained = token_losses(logits, batch["labels"])
+            predicted = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
             sums.append(acc.gather_for_metrics(token_loss.sum(dim=1)))
             counts.append(acc.gather_for_metrics(trained.sum(dim=1)))
-            correct.append(acc.gather_for_metrics(((logits.argmax(-1) == labels) & trained).sum(dim=1)))
+            correct.append(acc.gather_for_metrics((predicted & trained).sum(dim=1)))
         self.strategy.after_evaluation(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
         if not sums:

@@ -232,6 +232,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
     pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accelerator.dataloader_config) can overlap
     sampler: EpochSampler | BlockStream
     train_loader: DataLoader
+    batches = collate if isinstance(data, StreamedData) else collate_for(spec.data, data.pad_id)
     if isinstance(data, StreamedData):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -242,11 +243,10 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
         # its exact position, in its loader workers too.
         sampler = data.train
         train_loader = StatefulDataLoader(
-            data.train, batch_size=t.per_device_batch_size, collate_fn=collate, num_workers=t.dataloader_num_workers,
+            data.train, batch_size=t.per_device_batch_size, collate_fn=batches, num_workers=t.dataloader_num_workers,
             drop_last=True, generator=loader_generator(t.seed), pin_memory=pin,
         )
     else:
-        batches = collate_for(spec.data, data.pad_id)
         sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
         train_loader = DataLoader(
             data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=batches,
@@ -256,8 +256,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
         )
     evaluation = DataLoader(
         data.validation, batch_size=t.per_device_eval_batch_size or t.per_device_batch_size, shuffle=False,
-        collate_fn=collate if isinstance(data, StreamedData) else collate_for(spec.data, data.pad_id),
-        num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
+        collate_fn=batches, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
     )
     return Loaders(train_loader, evaluation, sampler)
 

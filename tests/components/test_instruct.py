@@ -130,7 +130,7 @@ def per_example_losses(model, rows: list[dict], packed: bool) -> list[float]:
     """Each example's mean token loss, read off the rows by its segments."""
     with torch.no_grad():
         batch = stack_packed(rows) if packed else pad_batch(rows, pad_id=0)
-        losses, mask = token_losses(model, batch)
+        losses, mask = token_losses(model(**model_inputs(batch)).logits, batch["labels"])
     out = []
     for r in range(len(rows)):
         starts = [i for i, p in enumerate(batch["position_ids"][r].tolist()) if p == 0] if packed else [0]
@@ -167,9 +167,10 @@ def test_packed_per_example_losses_equal_each_example_run_alone(model):
 def test_packed_and_padded_token_weighted_losses_agree(model):
     examples = random_examples(3, [9, 7, 11, 5, 13, 6])
     with torch.no_grad():
-        packed_losses, packed_mask = token_losses(model, stack_packed(pack(examples, 32, pad_id=0)))
-        padded_losses, padded_mask = token_losses(model, pad_batch(
-            [{"input_ids": e.input_ids, "labels": e.labels} for e in examples], pad_id=0))
+        packed_batch = stack_packed(pack(examples, 32, pad_id=0))
+        padded_batch = pad_batch([{"input_ids": e.input_ids, "labels": e.labels} for e in examples], pad_id=0)
+        packed_losses, packed_mask = token_losses(model(**model_inputs(packed_batch)).logits, packed_batch["labels"])
+        padded_losses, padded_mask = token_losses(model(**model_inputs(padded_batch)).logits, padded_batch["labels"])
     assert packed_mask.sum() == padded_mask.sum() == sum(len(e) - 3 for e in examples)
     packed = (packed_losses.sum() / packed_mask.sum()).item()
     padded = (padded_losses.sum() / padded_mask.sum()).item()
