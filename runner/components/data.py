@@ -91,7 +91,8 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
     if data.format is not DataFormat.text:  # text keeps its old keys, and its users' caches
         parts["instruct"] = {"format": data.format.value, "fields": [data.prompt_field, data.completion_field,
                              data.messages_field], "template": template, "train_on_prompt": data.train_on_prompt,
-                             "too_long": data.too_long.value, "packing": data.packing}
+                             "too_long": data.too_long.value, "packing": data.packing,
+                             "rows": 2}  # 2: packed rows carry real_tokens
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
         parts["train_type"] = builder_for(data.train_file)

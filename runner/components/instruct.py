@@ -140,7 +140,8 @@ def fit_to_block(example: Example, block_size: int, too_long: str) -> Optional[E
 def pack(examples: Sequence[Example], block_size: int, pad_id: int) -> list[dict[str, list[int]]]:
     """Whole examples, in order, into rows of exactly block_size tokens: a row is closed
     (padded) when the next example does not fit. Position ids restart at each example;
-    the padding is one more segment, labels -100."""
+    the padding is one more segment, labels -100. `real_tokens` is the row's tokens
+    less its padding: what rates and MFU count (real_tokens)."""
     rows: list[dict[str, list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
@@ -149,7 +150,7 @@ def pack(examples: Sequence[Example], block_size: int, pad_id: int) -> list[dict
     def close() -> None:
         pad = block_size - len(ids)
         rows.append({"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE_INDEX] * pad,
-                     "position_ids": positions + list(range(pad))})
+                     "position_ids": positions + list(range(pad)), "real_tokens": len(ids)})
 
     for example in examples:
         if len(example) > block_size:
@@ -211,10 +212,23 @@ def pad_batch(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Any]:
 
 def stack_packed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Packed rows (all block_size long): ids, labels and the restarting position ids; no
-    attention mask, so transformers derives the block-diagonal one from the positions."""
+    attention mask, so transformers derives the block-diagonal one from the positions.
+    `real_tokens` (one a row) is not a model input: model_inputs leaves it out."""
     import torch
 
-    return {key: torch.stack([torch.as_tensor(r[key]) for r in rows]) for key in ("input_ids", "labels", "position_ids")}
+    keys = ("input_ids", "labels", "position_ids", "real_tokens")
+    return {key: torch.stack([torch.as_tensor(r[key]) for r in rows]) for key in keys}
+
+
+def real_tokens(batch: dict[str, Any]) -> int:
+    """The batch's tokens that are not padding: what tokens/s and MFU count. Packed rows
+    carry their own count; padded ones, their attention mask; run_clm's blocks are all
+    real."""
+    if "real_tokens" in batch:
+        return int(batch["real_tokens"].sum())
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
 
 
 def model_inputs(batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
@@ -223,7 +237,7 @@ def model_inputs(batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
     does whenever use_cache is on, its config's default) skips the packed-sequence mask,
     and packed examples would attend to each other. tests/components/test_instruct.py
     fails on that leak."""
-    inputs = {k: v for k, v in batch.items() if labels or k != "labels"}
+    inputs = {k: v for k, v in batch.items() if (labels or k != "labels") and k != "real_tokens"}
     return {**inputs, "use_cache": False} if "position_ids" in batch else inputs
 
 

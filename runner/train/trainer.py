@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from runner.components.instruct import IGNORE_INDEX, model_inputs, token_losses
+from runner.components.instruct import IGNORE_INDEX, model_inputs, real_tokens, token_losses
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -68,6 +68,11 @@ class LoopState:
     consecutive_skips: int = 0  # skipped steps since the last step taken (precision.max_consecutive_skipped_steps)
     first_step_time: Optional[float] = None  # wall clock (time.time()) when step 1 finished, for benchmarks
     last_eval: dict[str, float] = field(default_factory=dict)
+    # Token-weighted (instruction) runs: the tokens trained so far that are not padding,
+    # on all ranks (on the device, read at log steps), and how many of them came before
+    # this process started; None when a checkpoint did not record them.
+    real_tokens: Optional[torch.Tensor] = None
+    real_tokens_at_start: Optional[int] = 0
 
 
 class Trainer:
@@ -109,6 +114,7 @@ class Trainer:
         # and micro-batch, over their number (_token_weighted_windows); run_clm's blocks
         # all have the same number of tokens, so the mean per micro-batch is that already.
         self.token_weighted = token_weighted
+        self._logged_real_tokens = 0  # real tokens at the last log line (token-weighted runs)
         self.run_dir = run_dir
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps  # fp16 overflows in a row that stop the run
@@ -145,6 +151,7 @@ class Trainer:
         progress = Progress(plan.total_steps, self.accelerator.is_main_process, initial=s.step)
         started = window_start = time.perf_counter()
         window_steps = 0
+        self._logged_real_tokens = self._real_tokens()
         self.model.train()
         self.stop.install()
         empty_passes = 0  # passes in a row that gave no step (a resumed one may start at its end)
@@ -219,10 +226,15 @@ class Trainer:
             window = list(islice(it, min(accum - self.accelerator.step % accum, left)))
             if not window:
                 return
-            local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in window)
-            total = torch.tensor(float(local), device=self.accelerator.device)
+            # Trained tokens (the loss's divisor) and real ones (the rates'), one all-reduce.
+            local = [sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in window),
+                     sum(real_tokens(b) for b in window)]
+            counted = torch.tensor(local, dtype=torch.int64, device=self.accelerator.device)
             if self.accelerator.num_processes > 1:
-                torch.distributed.all_reduce(total)
+                torch.distributed.all_reduce(counted)
+            total = counted[0].float()
+            s = self.state
+            s.real_tokens = counted[1] if s.real_tokens is None else s.real_tokens + counted[1]
             # Accelerate's loader marks the end of data when it hands out the last batch,
             # here already read; the window's earlier micro-batches must not see it, or
             # the step would be taken after the first of them.
@@ -309,6 +321,8 @@ class Trainer:
             "pending_loss_count": s.loss_count,
             "skipped_steps": s.skipped_steps,
         }
+        if self.token_weighted:
+            meta["real_tokens"] = self._real_tokens()
         meta.update(self.data_record)
         rank_state = {"data": self.train_loader.state_dict()} if self.stream else None
         self.last_checkpoint = save_checkpoint(
@@ -337,6 +351,10 @@ class Trainer:
         done = 0 if self.stream else self.batches_done_in_epoch()
         self.accelerator.step = done if self.stream or done < len(self.train_loader) else 0
         s.skipped_steps = int(meta.get("skipped_steps", 0))
+        if self.token_weighted:  # a checkpoint from before real tokens were counted: rates only
+            before = meta.get("real_tokens")
+            s.real_tokens_at_start = None if before is None else int(before)
+            s.real_tokens = torch.tensor(s.real_tokens_at_start or 0, dtype=torch.int64, device=self.accelerator.device)
         count = int(meta.get("pending_loss_count", 0))
         if count:
             sums = meta.get("pending_loss_sums") or [float(meta["pending_loss_sum"])]
@@ -476,7 +494,12 @@ class Trainer:
         s, plan = self.state, self.plan
         mean = self._close_loss_window(s.step - s.total_loss_steps)
         rate = window_steps / elapsed if elapsed > 0 else float("nan")
-        tokens_per_s = rate * plan.tokens_per_step
+        if self.token_weighted:  # padding is not counted
+            trained = self._real_tokens()
+            tokens_per_s = (trained - self._logged_real_tokens) / elapsed if elapsed > 0 else float("nan")
+            self._logged_real_tokens = trained
+        else:
+            tokens_per_s = rate * plan.tokens_per_step
         device = self.accelerator.device
         memory = self.accelerator.gather(torch.tensor([[window_peak_memory_mb(device), current_memory_mb(device)]], device=device))
         record = {
@@ -497,6 +520,10 @@ class Trainer:
             record.update(loss_scale=scale, skipped_steps=s.skipped_steps)
         self.metrics.write(record)
         return record
+
+    def _real_tokens(self) -> int:
+        """Tokens trained so far that are not padding (token-weighted runs; reads the device)."""
+        return 0 if self.state.real_tokens is None else int(self.state.real_tokens)
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.peak_flops or not tokens_per_s == tokens_per_s:  # unknown peak, or NaN rate
@@ -565,19 +592,24 @@ class Trainer:
         steps_run = s.step - s.start_step
         first = self.first_batch_wait or 0.0
         samples_run = steps_run * plan.global_batch_size
+        tokens_run = samples_run * plan.block_size
+        tokens: Optional[int] = samples * plan.block_size
+        if self.token_weighted:  # real tokens, not the rows' capacity
+            tokens_run = self._real_tokens() - (s.real_tokens_at_start or 0)
+            tokens = None if s.real_tokens_at_start is None else self._real_tokens()
         return {
             "epoch": s.epoch if self.stream else round(s.step / max(plan.steps_per_epoch, 1), 4),
             "train_loss": train_loss,
             "train_runtime": round(runtime, 3),
             "train_samples": samples,
             "train_steps": s.step,
-            "train_tokens": samples * plan.block_size,
+            "train_tokens": tokens,
             "resumed_from_step": s.start_step,
             # None, not 0.0, when this process ran no step (resumed at the last one): no rate was measured.
             "train_samples_per_second": round(samples_run / runtime, 3) if steps_run else None,
             "train_steps_per_second": round(steps_run / runtime, 3) if steps_run else None,
-            "train_tokens_per_second": round(samples_run * plan.block_size / runtime, 1) if steps_run else None,
-            "train_mfu": self.mfu(samples_run * plan.block_size / runtime) if steps_run else None,
+            "train_tokens_per_second": round(tokens_run / runtime, 1) if steps_run else None,
+            "train_mfu": self.mfu(tokens_run / runtime) if steps_run else None,
             "first_step_time": s.first_step_time,
             # waiting for training batches after the first, as a share of the training time after it
             # (bench/stream_data.py); the first batch's wait is the data's start-up

@@ -18,6 +18,7 @@ from runner.components.instruct import (
     pad_batch,
     prompt_completion_example,
     renderer,
+    real_tokens,
     stack_packed,
     token_losses,
 )
@@ -92,12 +93,22 @@ def test_packing_fills_rows_with_whole_examples_and_restarts_positions():
     rows = pack(examples, 6, pad_id=0)
     assert rows == [
         {"input_ids": [1, 2, 3, 4, 5, 0], "labels": [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5, IGNORE_INDEX],
-         "position_ids": [0, 1, 2, 0, 1, 0]},
+         "position_ids": [0, 1, 2, 0, 1, 0], "real_tokens": 5},
         {"input_ids": [6, 7, 8, 9, 0, 0], "labels": [IGNORE_INDEX, 7, 8, 9, IGNORE_INDEX, IGNORE_INDEX],
-         "position_ids": [0, 1, 2, 3, 0, 1]},
+         "position_ids": [0, 1, 2, 3, 0, 1], "real_tokens": 4},
     ]
     _, counts = build(examples, 6, "truncate", packing=True, pad_id=0)
     assert counts.rows == 2 and counts.packing_efficiency == pytest.approx(9 / 12)
+
+
+def test_rates_count_real_tokens_not_padding():
+    examples = [Example([1, 2, 3], [IGNORE_INDEX, 2, 3]), Example([4, 5], [IGNORE_INDEX, 5]),
+                Example([6, 7, 8, 9], [IGNORE_INDEX, 7, 8, 9])]
+    packed = stack_packed(pack(examples, 6, pad_id=0))
+    assert real_tokens(packed) == 9 and "real_tokens" not in model_inputs(packed)
+    padded = pad_batch([{"input_ids": e.input_ids, "labels": e.labels} for e in examples], pad_id=0)
+    assert padded["input_ids"].numel() == 12 and real_tokens(padded) == 9
+    assert real_tokens({"input_ids": torch.zeros(2, 8, dtype=torch.long)}) == 16  # run_clm's blocks: all real
 
 
 # ---------------------------------------------------------------- proofs on real models

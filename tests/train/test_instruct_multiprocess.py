@@ -6,6 +6,7 @@ packed and padded, for an absolute-position, a grouped-query and a QK-norm model
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,11 @@ def references(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 @pytest.mark.parametrize("arch, packing, layout", CASES, ids=[f"{a}-packing_{p}-{' '.join(l)}" for a, p, l in CASES])
 def test_every_layout_trains_the_numbers_of_one_process(references, tmp_path, arch, packing, layout):
-    ours = step_records(run(tmp_path / "run", arch, packing, layout))
-    reference = step_records(references[(arch, packing)])
+    metrics = run(tmp_path / "run", arch, packing, layout)
+    ours, reference = step_records(metrics), step_records(references[(arch, packing)])
     assert sorted(ours) == list(range(1, 7))
     assert parity_problems(reference, ours) == []
+    # the real (non-padding) tokens, counted on every rank and summed, are the same rows'
+    tokens = [json.loads((m.parent / "all_results.json").read_text())["train_tokens"]
+              for m in (metrics, references[(arch, packing)])]
+    assert tokens[0] == tokens[1] < 6 * 8 * 64

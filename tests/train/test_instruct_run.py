@@ -45,11 +45,38 @@ def test_the_offline_sft_example_trains_packed_and_reports_its_rows(packed_run):
     assert "packed into" in done.stderr and "packing efficiency" in done.stderr
 
 
-def test_unpacked_it_trains_one_example_a_row(tmp_path):
+def real_tokens_of_first_rows(compose_spec, packing: bool, rows: int) -> int:
+    """The non-padding tokens of the recipe's first training rows, read off the cache."""
+    from transformers import AutoTokenizer
+
+    from runner.components.data import prepare
+    from runner.config.paths import asset_path
+
+    spec = compose_spec("recipe=gpt2_sft_tiny", f"data.packing={str(packing).lower()}")
+    data = prepare(spec.data, AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer"))), 256)
+    first = data.train.select(range(rows))
+    return int(sum(first["real_tokens"])) if packing else sum(len(ids) for ids in first["input_ids"])
+
+
+def test_tokens_and_rates_count_real_tokens_not_padding(packed_run, compose_spec):
+    """4 steps of 8 rows are the 32 rows of the epoch: trained tokens are theirs less padding."""
+    results = json.loads((packed_run[0] / "all_results.json").read_text())
+    expected = real_tokens_of_first_rows(compose_spec, packing=True, rows=32)
+    assert expected < 32 * 256 and results["train_tokens"] == expected
+    assert results["train_tokens_per_second"] == pytest.approx(expected / results["train_runtime"], rel=1e-3)
+    lines = [json.loads(line) for line in (packed_run[0] / "metrics.jsonl").read_text().splitlines()]
+    logged = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m]
+    assert len(logged) == 4 and all(0 < rate < 32 * 256 / results["train_runtime"] * 4 for rate in logged)
+
+
+def test_unpacked_it_trains_one_example_a_row(tmp_path, compose_spec):
     done = run(tmp_path / "padded", "data.packing=false")
     assert done.returncode == 0, done.stderr[-3000:]
-    train = json.loads((tmp_path / "padded" / "all_results.json").read_text())["instruction_data"]["train"]
+    results = json.loads((tmp_path / "padded" / "all_results.json").read_text())
+    train = results["instruction_data"]["train"]
     assert train["rows"] == train["examples"] == 1900 and train["packing_efficiency"] == 1.0
+    # padded to the longest of each batch; the padding is not counted
+    assert results["train_tokens"] == real_tokens_of_first_rows(compose_spec, packing=False, rows=32)
 
 
 def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
@@ -105,3 +132,5 @@ def test_a_resume_continues_bit_for_bit_with_dropout_on(packed_run, tmp_path):
     resumed = run(cut, "train.save_every=2", "resume=auto")
     assert resumed.returncode == 0 and "resum" in resumed.stderr, resumed.stderr[-3000:]
     assert losses(cut) == losses(packed_run[0])
+    totals = [json.loads((d / "all_results.json").read_text())["train_tokens"] for d in (cut, packed_run[0])]
+    assert totals[0] == totals[1]  # the real tokens before the checkpoint came with it
