@@ -8,7 +8,10 @@ user's pretrained folder) and precision it runs, on the embedded data, dropout o
   batch, so the same math. Each stops at an odd step mid-epoch (7), saving a checkpoint,
   and a new run resumes it (resume=auto) to step 12;
 - with --peft lora (or dora), the same runs train adapters on the frozen initial weights,
-  and adapter/ is loaded with peft instead of model/ with from_pretrained.
+  and adapter/ is loaded with peft instead of model/ with from_pretrained;
+- with --reshard, each strategy's resume runs on 1 process x 8 under ddp instead: the
+  checkpoint of 2 processes is read across (runner/train/reshard.py), a world-size and,
+  but for ddp, a strategy change.
 
 A cell is exact when every step's loss and gradient norm match the reference (fp32:
 1e-4 and 0.1%, runner/report/parity.py), the resume logged each step once, and the
@@ -82,14 +85,19 @@ class Cell:
     verdict: str = ""  # empty while it is still to run
     detail: list[str] = field(default_factory=list)
     peft: str = "none"  # none: every weight trains; lora / dora: adapters on the frozen initial weights
+    reshard: bool = False  # the resume runs on 1 process under ddp (RESHARD_TO)
 
     @property
     def name(self) -> str:
-        return f"{self.model_type} {self.strategy} {column_suffix(self.precision, self.peft)}"
+        return f"{self.model_type} {self.strategy} {column_suffix(self.precision, self.peft, self.reshard)}"
 
 
-def column_suffix(precision: str, peft: str) -> str:
-    return precision if peft == "none" else f"{precision} {peft}"
+def column_suffix(precision: str, peft: str, reshard: bool = False) -> str:
+    return " ".join([precision, *([peft] if peft != "none" else []), *(["-> ddp x1"] if reshard else [])])
+
+
+# --reshard: where each strategy's checkpoint of 2 processes resumes (the same global batch)
+RESHARD_TO = ["strategy=ddp", "launch.nproc_per_node=1", "train.per_device_batch_size=8"]
 
 
 def save_initial_model(model_type: str, folder: Path) -> None:
@@ -134,7 +142,8 @@ def compose(run_overrides: Sequence[str]) -> RunSpec:
 
 
 def leg_spec(cell: Cell, resume: bool) -> RunSpec:
-    spec = compose(overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft))
+    moved = RESHARD_TO if resume and cell.reshard else []
+    spec = compose([*overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft), *moved])
     spec.train.max_steps = STEPS if resume else CUT
     spec.train.save_every = CUT
     spec.resume = "auto" if resume else None
@@ -248,18 +257,18 @@ def adapter_problems(adapter_dir: Path, reference_dir: Path, base_dir: Path, ato
 
 
 def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Path,
-            peft: str = "none") -> dict[str, list[Cell]]:
+            peft: str = "none", reshard: bool = False) -> dict[str, list[Cell]]:
     rows: dict[str, list[Cell]] = {}
     references: dict[tuple[str, str], Path] = {}
     for model_type in model_types:
         model_dir = work_dir / model_type / "initial_model"
         save_initial_model(model_type, model_dir)
         for precision in precisions:
-            column = column_suffix(precision, peft).replace(" ", "_")
+            column = column_suffix(precision, peft, reshard).replace(" -> ", "_to_").replace(" ", "_")
             reference = work_dir / model_type / column / "reference"
             why = run_reference(model_dir, precision, reference, peft)
-            cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft)
-                     for s in STRATEGIES]
+            cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft,
+                          reshard=reshard) for s in STRATEGIES]
             for cell in cells:
                 if why:
                     cell.verdict, cell.detail = "no reference", [why]
@@ -274,12 +283,13 @@ def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Pat
     return rows
 
 
-def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str, peft: str = "none") -> str:
+def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str, peft: str = "none",
+           reshard: bool = False) -> str:
     """The matrix as Markdown: a row per architecture, a column per strategy and precision,
     then each cell's reason where it is not exact."""
     columns = [(s, p) for p in precisions for s in STRATEGIES]
     lines = [f"Made by `{command}`.", "",
-             "| architecture | " + " | ".join(f"{s} {column_suffix(p, peft)}" for s, p in columns) + " |",
+             "| architecture | " + " | ".join(f"{s} {column_suffix(p, peft, reshard)}" for s, p in columns) + " |",
              "|---|" + "---|" * len(columns)]
     notes = []
     for model_type, cells in rows.items():
@@ -305,6 +315,9 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
                         help="lora or dora: train adapters on the frozen initial weights instead of every weight, "
                              "and check adapter/ with peft (default none)")
+    parser.add_argument("--reshard", action="store_true",
+                        help="resume each strategy's checkpoint of 2 processes on 1 process under ddp: a world-size "
+                             "and strategy change, read across")
     args = parser.parse_args(list(argv))
     model_types = args.model_types or list(TINY)
     unknown = [m for m in model_types if m not in TINY]
@@ -314,11 +327,12 @@ def main(argv: Sequence[str]) -> None:
             (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(TINY)} "
              "(runner/certify/architectures.py lists them)" if unknown else
              f"--precision {args.precision}: give fp32, bf16 or fp32,bf16"))
-    rows = certify(model_types, precisions, args.work_dir, args.peft)
+    rows = certify(model_types, precisions, args.work_dir, args.peft, args.reshard)
     shown = ["--precision", args.precision] if precisions != ["fp32"] else []
     shown += ["--peft", args.peft] if args.peft != "none" else []
+    shown += ["--reshard"] if args.reshard else []
     command = " ".join(["runner certify", *args.model_types, *shown])
-    text = render(rows, precisions, command, args.peft)
+    text = render(rows, precisions, command, args.peft, args.reshard)
     sys.stdout.write("\n" + text)
     if args.out:
         args.out.write_text(text)

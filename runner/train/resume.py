@@ -33,6 +33,7 @@ from runner.train.checkpoint import (
     read_marker,
 )
 from runner.train.plan import batches_per_rank, steps_per_epoch, total_steps
+from runner.train.reshard import needs_reshard, unsupported
 from runner.train.rng import random_state_file, read_random_states
 
 ABANDONED_DIRNAME = "abandoned"  # a newer branch a resume from an older checkpoint set aside
@@ -63,7 +64,7 @@ MATH = frozenset({
     "optim.fused",
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
     "train.seed",
-    "strategy.kind", "precision.kind",
+    "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.
     "strategy.offload_optimizer", "strategy.offload_params",
@@ -110,7 +111,9 @@ BOOKKEEPING = frozenset({"name", "run_dir", "resume", "overwrite", "dry_run", "p
 # Decided together by compare: the global batch must stay; a new layout of it is checked
 # for an exact continuation (layout_change_problems).
 LAYOUT_KEYS = frozenset({"train.grad_accum_steps", "train.global_batch_size", "train.per_device_batch_size",
-                         "launch.nproc_per_node", "launch.nnodes"})
+                         "launch.nproc_per_node", "launch.nnodes",
+                         # the same math sharded another way: read across (runner/train/reshard.py)
+                         "strategy.kind"})
 
 
 def _layout(spec: RunSpec, world: int) -> tuple[int, int, int]:
@@ -128,12 +131,15 @@ def layout_change_problems(
     """Why a change of layout (processes x per-device batch x accumulation) at the same
     global batch cannot continue at the exact sample; empty when it can."""
     before, after = _layout(old, old_world), _layout(new, new_world)
-    if before == after:
-        return []
-    shown = describe_layout_change(old, new, old_world, new_world)
     problems = []
-    if old_world != new_world and old.strategy.kind.value != "ddp":
-        problems.append(f"world size under {old.strategy.kind.value}: {old_world} -> {new_world} (ZeRO and FSDP shards are per rank)")
+    if needs_reshard(old.strategy.kind.value, new.strategy.kind.value, old_world, new_world):
+        why = unsupported(old.strategy.kind.value, new.strategy.kind.value, old_world, new.precision.kind.value,
+                          new.peft.kind.value)
+        if why:
+            problems.append(why)
+    if before == after:
+        return problems
+    shown = describe_layout_change(old, new, old_world, new_world)
     if "samples_in_epoch" not in marker:
         problems.append(f"layout {shown}: this checkpoint predates sample-exact positions; resume it in its own layout")
     elif int(marker["samples_in_epoch"]) % (new_world * new.train.per_device_batch_size):
@@ -175,6 +181,9 @@ def compare(
         if not problems and _layout(old, old_world) != _layout(new, new_world):
             harmless.append(f"layout {describe_layout_change(old, new, old_world, new_world)}, "
                             f"the same global batch of {new_batch}")
+        if not problems and old.strategy.kind != new.strategy.kind:
+            harmless.append(f"strategy {old.strategy.kind.value} -> {new.strategy.kind.value}: the checkpoint is read "
+                            "across (weights, fp32 master and AdamW moments by parameter name)")
     return breaking, harmless
 
 

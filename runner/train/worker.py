@@ -51,7 +51,7 @@ from runner.components.model import (
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
-from runner.config.spec import DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
+from runner.config.spec import SPEC_FILENAME, DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged, check_in_sync, rank_fingerprints
 from runner.distributed.process_group import agree_on_spec, init_process_group
@@ -62,10 +62,11 @@ from runner.report.flops import expert_parameters, model_flops_per_token, peak_f
 from runner.report.log import setup_logging
 from runner.report.metrics import current_memory_mb, peak_memory_mb, reset_peak_memory, summary_table, write_results
 from runner.report.plots import PLOT_FILENAME, plot_loss_curves
-from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, read_marker
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
+from runner.train.reshard import load_across, needs_reshard
 from runner.train.resume import resolve
 from runner.train.rng import loader_generator, seed_training_stream
 from runner.train.signals import EXIT_CODES, Stopped
@@ -323,7 +324,7 @@ def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Train
     seed_training_stream(spec.train.seed)
     resume_from = _resume_point(spec, run_dir)
     if resume_from is not None:
-        meta = load_checkpoint(accelerator, resume_from)
+        meta = load_resume_point(spec, accelerator, trainer, resume_from)
         trainer.restore(meta, resume_from)
         if accelerator.is_main_process:
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
@@ -336,6 +337,21 @@ def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Train
         # checkpoint. metrics.jsonl then holds each step once.
         truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step,
                          final_eval_again=trainer.state.step >= trainer.plan.total_steps)
+
+
+def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's states into this run: through Accelerate's load_state in the layout
+    and strategy that wrote it, else read across (runner/train/reshard.py; the launcher
+    has already refused what cannot be)."""
+    old = load_spec(checkpoint / SPEC_FILENAME)
+    old_world = int(read_marker(checkpoint).get("world_size", accelerator.num_processes))
+    if not needs_reshard(old.strategy.kind.value, spec.strategy.kind.value, old_world, accelerator.num_processes):
+        return load_checkpoint(accelerator, checkpoint)
+    if accelerator.is_main_process:
+        log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
+                 f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
+    return load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
+                       trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
 
 
 # ---------------------------------------------------------------------- the run

@@ -81,6 +81,27 @@ def assert_only_adapters_hold_state(run_dir: Path) -> None:
             run_dir, held, trainable)
 
 
+ELASTIC_PAGE = PAGE.parent / "elastic-checkpoints.md"
+RESHARD_BLOCK = re.compile(r"<!-- certify-reshard:begin -->\n(.*?)<!-- certify-reshard:end -->", re.S)
+
+
+@pytest.mark.timeout(1200)
+def test_the_published_reshard_matrix_is_what_the_command_prints(tmp_path):
+    """Each strategy's checkpoint of 2 processes, resumed on 1 process under ddp (read
+    across, runner/train/reshard.py): GPT-2, a grouped-query Llama, a mixture of experts."""
+    out = tmp_path / "matrix.md"
+    done = certify("gpt2", "llama", "mixtral", "--reshard", "--work-dir", str(tmp_path / "runs"), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    published = RESHARD_BLOCK.search(ELASTIC_PAGE.read_text())
+    assert published, "docs/elastic-checkpoints.md has no certify-reshard block"
+    assert out.read_text() == published.group(1), (
+        "docs/elastic-checkpoints.md's matrix is not what `runner certify --reshard` prints now; paste this between "
+        "its markers:\n" + out.read_text())
+    assert out.read_text().count("| exact | exact | exact | exact |") == 3
+    read_across = list((tmp_path / "runs").glob("*/fp32_to_ddp_x1/*/run.log"))
+    assert sum("reshard.py" in log.read_text() for log in read_across) == 9  # zero2, zero3, fsdp x 3; ddp loads its own
+
+
 def test_a_strategy_that_fails_is_named_and_the_others_still_run(tmp_path):
     """zero2's rank 1 crashes at step 3 of its first leg: that launch ends there; zero3
     and fsdp run in the next one, ddp's run before it stands, and the resumes follow."""

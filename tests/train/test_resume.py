@@ -22,12 +22,33 @@ def test_a_short_last_step_refuses_the_change_and_names_the_fix(compose_spec):
     assert "1x8x1 -> 1x4x2" in problem and "60 training samples" in problem and "data.max_train_samples" in problem
 
 
-def test_zero_world_size_and_old_checkpoints_are_refused(compose_spec):
+def test_zero_onto_another_world_size_under_zero_is_refused_and_names_the_way(compose_spec):
     old = compose_spec("strategy=zero2", "train.per_device_batch_size=4")
     new = compose_spec("strategy=zero2", "train.per_device_batch_size=8")
     problems = layout_change_problems(old, new, 2, 1, train_samples=64, marker={"batches_in_epoch": 4})
-    assert any("world size under zero2: 2 -> 1" in p for p in problems)
+    assert any("resuming under strategy=zero2 from another number of processes or another strategy is not supported"
+               in p and "strategy=ddp or fsdp" in p and "2 processes under strategy=zero2" in p for p in problems)
     assert any("predates sample-exact positions" in p for p in problems)
+
+
+def test_a_sharded_checkpoint_is_read_across_into_ddp_or_fsdp(compose_spec):
+    """zero3 on 2 -> ddp on 1 and fsdp -> ddp are accepted and said; fp16 and adapters under
+    ZeRO are refused with their reason."""
+    old = compose_spec("strategy=zero3", "train.per_device_batch_size=4")
+    new = compose_spec("strategy=ddp", "train.per_device_batch_size=8")
+    breaking, harmless = compare(old, new, 2, 1, 64, MARKER)
+    assert breaking == [] and any("strategy zero3 -> ddp: the checkpoint is read across" in h for h in harmless)
+    same_layout = compose_spec("strategy=fsdp", "train.per_device_batch_size=4")
+    assert compare(same_layout, compose_spec("strategy=ddp", "train.per_device_batch_size=4"), 2, 2, 64, MARKER)[0] == []
+    fp16 = compare(compose_spec("strategy=zero3", "precision=fp16"), compose_spec("strategy=ddp", "precision=fp16"), 2, 2,
+                   64, MARKER)[0]
+    assert len(fp16) == 1 and "dynamic loss scale" in fp16[0]
+    lora = compare(compose_spec("strategy=zero2", "peft=lora"), compose_spec("strategy=fsdp", "peft=lora"), 2, 2, 64,
+                   MARKER)[0]
+    assert len(lora) == 1 and "adapters (peft) under zero2" in lora[0]
+    # ddp holds everything on each rank: Accelerate's own load_state reads it at any world size
+    assert compare(compose_spec("train.per_device_batch_size=4"), compose_spec("train.per_device_batch_size=2"), 1, 2, 64,
+                   MARKER)[0] == []
 
 
 def test_a_position_between_micro_batches_is_refused(compose_spec):

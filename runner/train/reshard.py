@@ -1,0 +1,282 @@
+"""Resume a checkpoint on another number of processes or under another strategy.
+
+A checkpoint holds what its strategy holds: ddp the whole model and torch AdamW's state
+(`model.safetensors`, `optimizer.bin`); fsdp each rank's shards as a DCP checkpoint
+(`pytorch_model_fsdp_0/`, `optimizer_0/`, keyed by parameter name); zero2/zero3 each
+rank's partitions of DeepSpeed's flat fp32 groups and Adam moments
+(`pytorch_model/zero_pp_rank_R_*`). Accelerate's `load_state` reads each back only in
+the strategy that wrote it, and DeepSpeed's only at its world size.
+
+Across, the checkpoint is read as one portable state, by parameter name: the fp32
+master weights (never re-derived from bf16 weights), AdamW's exp_avg and exp_avg_sq,
+and its step count. Each format is read with its library's own tool: safetensors and
+torch for ddp; torch's `dcp_to_torch_save` for DCP, which reassembles every shard;
+DeepSpeed's universal-checkpoint converter (`ds_to_universal`) for ZeRO, which merges
+the partitions per parameter. The state is then set into this run's model and
+optimizer: plainly under ddp, and under fsdp through torch's
+`set_model_state_dict` / `set_optimizer_state_dict`, which keep each rank's own shard
+of the full tensors. The schedule and each rank's random state come from the same files
+as in a plain resume.
+
+Reading a checkpoint this way holds the whole fp32 state (weights and two moments) in
+each process's host memory, once, at the resume.
+
+Resuming under zero2/zero3 from another layout is not done yet: `unsupported` names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from runner.components.optim import param_groups
+from runner.config.errors import UserError
+from runner.distributed.strategy import innermost_optimizer
+from runner.train.checkpoint import read_marker
+from runner.train.rng import restore_random_states
+
+log = logging.getLogger(__name__)
+
+READS = ("ddp", "zero2", "zero3", "fsdp")  # the checkpoints read into a portable state
+WRITES = ("ddp", "fsdp")  # the strategies a portable state is set into
+SCRATCH_DIRNAME = ".reshard"  # beside the run's checkpoints; removed after the resume
+
+
+@dataclass
+class PortableState:
+    """A checkpoint's trainable parameters by name: fp32 master weights, AdamW moments, step."""
+
+    weights: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: float
+
+
+def needs_reshard(old_strategy: str, new_strategy: str, old_world: int, new_world: int) -> bool:
+    """Whether Accelerate's own load_state cannot read the checkpoint in this run: another
+    strategy, or another world size under a sharding one (ddp holds everything on each rank)."""
+    return old_strategy != new_strategy or (old_world != new_world and old_strategy != "ddp")
+
+
+def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision: str, peft: str) -> Optional[str]:
+    """Why this checkpoint cannot be resharded into this run (None: it can)."""
+    own = f"in the checkpoint's own layout ({old_world} processes under strategy={old_strategy})"
+    if new_strategy not in WRITES:
+        return (f"resuming under strategy={new_strategy} from another number of processes or another strategy is not "
+                f"supported yet: resume under strategy=ddp or fsdp (any number of processes), or {own}")
+    if precision == "fp16":
+        return (f"precision=fp16: the dynamic loss scale is kept by each strategy's own scaler and does not move "
+                f"across; resume {own}")
+    if peft != "none" and old_strategy in ("zero2", "zero3"):
+        return f"adapters (peft) under {old_strategy}: their partitions are not read across yet; resume {own}"
+    return None
+
+
+# ---------------------------------------------------------------------- reading
+def prepare(checkpoint: Path, strategy: str, scratch: Path) -> None:
+    """What the main process does once before every rank reads the state: reassemble a
+    DCP checkpoint (fsdp) into whole tensors, or convert a ZeRO one to DeepSpeed's
+    universal format, into `scratch`."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(str(checkpoint / "pytorch_model_fsdp_0"), str(scratch / "model.pt"))
+        dcp_to_torch_save(str(checkpoint / "optimizer_0"), str(scratch / "optimizer.pt"))
+    elif strategy in ("zero2", "zero3"):
+        convert_zero(checkpoint, scratch)
+
+
+def read_state(checkpoint: Path, strategy: str, names: list[str], scratch: Path) -> PortableState:
+    """The portable state of a checkpoint written under `strategy` (after `prepare`).
+    `names` are this run's trainable parameters in its optimizer's order (ddp's
+    optimizer.bin is keyed by that order)."""
+    if strategy == "ddp":
+        return _read_ddp(checkpoint, names)
+    if strategy == "fsdp":
+        return _read_fsdp(checkpoint, names, scratch)
+    return _read_universal(scratch / "universal", names)
+
+
+def _only(names: list[str], found: dict[str, torch.Tensor], what: str, checkpoint: Path) -> dict[str, torch.Tensor]:
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise UserError(f"checkpoint {checkpoint}: its {what} has no {missing[:3]} ({len(missing)} missing): it was not "
+                        "written for this model. Resume it with its own spec, or start a new run.")
+    return {n: found[n].float() for n in names}
+
+
+def _read_ddp(checkpoint: Path, names: list[str]) -> PortableState:
+    from safetensors.torch import load_file
+
+    file = checkpoint / "model.safetensors"
+    weights = load_file(str(file)) if file.exists() else torch.load(checkpoint / "pytorch_model.bin", map_location="cpu")
+    optim = torch.load(checkpoint / "optimizer.bin", map_location="cpu", weights_only=False)
+    ids = [i for group in optim["param_groups"] for i in group["params"]]
+    if len(ids) != len(names):
+        raise UserError(f"checkpoint {checkpoint}: its optimizer holds {len(ids)} parameters, this run trains "
+                        f"{len(names)}. Resume it with its own spec, or start a new run.")
+    state = {names[position]: optim["state"][i] for position, i in enumerate(ids)}
+    return PortableState(_only(names, weights, "model", checkpoint),
+                         {n: s["exp_avg"] for n, s in state.items()}, {n: s["exp_avg_sq"] for n, s in state.items()},
+                         _one_step(state.values(), checkpoint))
+
+
+def _read_fsdp(checkpoint: Path, names: list[str], scratch: Path) -> PortableState:
+    model = torch.load(scratch / "model.pt", map_location="cpu", weights_only=False)["model"]
+    optim = torch.load(scratch / "optimizer.pt", map_location="cpu", weights_only=False)["optimizer"]["state"]
+    state = {n: optim[n] for n in names if n in optim}
+    return PortableState(_only(names, model, "model", checkpoint),
+                         _only(names, {n: s["exp_avg"] for n, s in state.items()}, "optimizer", checkpoint),
+                         _only(names, {n: s["exp_avg_sq"] for n, s in state.items()}, "optimizer", checkpoint),
+                         _one_step(state.values(), checkpoint))
+
+
+def convert_zero(checkpoint: Path, scratch: Path) -> None:
+    """DeepSpeed's universal checkpoint of a ZeRO checkpoint, in `scratch/universal` (main
+    process only). The converter asks for the `universal_checkpoint_info` a Megatron
+    client stores (an empty one serves a plain model): given to a copy of the small
+    model-state files, the shards themselves are linked, not copied."""
+    source = checkpoint / "pytorch_model"
+    given = scratch / "zero_input"
+    given.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name.endswith("model_states.pt"):
+            state = torch.load(file, map_location="cpu", weights_only=False)
+            state.setdefault("universal_checkpoint_info", {})
+            torch.save(state, given / file.name)
+        else:
+            (given / file.name).symlink_to(file.resolve())
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(given),
+         "--output_folder", str(scratch / "universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        capture_output=True, text=True)
+    if done.returncode != 0:
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no output"]
+        raise UserError(f"checkpoint {checkpoint}: DeepSpeed's universal-checkpoint conversion failed ({last[0]}). "
+                        "Resume it in its own layout, or start a new run.")
+
+
+def _read_universal(universal: Path, names: list[str]) -> PortableState:
+    """ds_to_universal's folder: zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt, a tensor or
+    {'param': tensor} (flattened under ZeRO-3), and the step per parameter (zero2) or in
+    the optimizer's common state (zero3)."""
+    root = universal / "zero"
+
+    def tensor(name: str, what: str) -> torch.Tensor:
+        value = torch.load(root / name / f"{what}.pt", map_location="cpu", weights_only=False)
+        return (value["param"] if isinstance(value, dict) else value).detach().float()
+
+    missing = [n for n in names if not (root / n).is_dir()]
+    if missing:
+        raise UserError(f"checkpoint: the universal conversion has no {missing[:3]} ({len(missing)} missing): it was "
+                        "not written for this model. Resume it with its own spec, or start a new run.")
+    weights = {n: tensor(n, "fp32") for n in names}
+    steps = [torch.load(root / n / "step.pt", weights_only=False) for n in names if (root / n / "step.pt").exists()]
+    if not steps:
+        common = torch.load(root / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        steps = [s["step"] for s in common["optimizer_state_dict"]["state"].values() if "step" in s]
+    return PortableState(weights, {n: tensor(n, "exp_avg") for n in names}, {n: tensor(n, "exp_avg_sq") for n in names},
+                         _one_step([{"step": s} for s in steps], universal))
+
+
+def _one_step(states: Any, where: Path) -> float:
+    steps = {float(s["step"]) for s in states if "step" in s}
+    if len(steps) != 1:
+        raise UserError(f"checkpoint {where}: its optimizer's step counts disagree ({sorted(steps)}). "
+                        "Resume it in its own layout.")
+    return steps.pop()
+
+
+# ---------------------------------------------------------------------- setting
+def trainable_names(model: torch.nn.Module, weight_decay: float) -> list[str]:
+    """This run's trainable parameters by name, in the order its optimizer holds them."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for group in param_groups(model, weight_decay) for p in group["params"]]
+
+
+def set_state(state: PortableState, model: torch.nn.Module, optimizer: Any, names: list[str], strategy: str,
+              last_lrs: list[float]) -> None:
+    """The portable state into this run's (prepared) model and optimizer; the learning rates
+    of the restored schedule into the optimizer's groups, as a plain resume restores them."""
+    inner = innermost_optimizer(optimizer)
+    groups = []
+    for group, lr in zip(inner.param_groups, last_lrs):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "lr": lr})
+    if strategy == "fsdp":
+        _set_fsdp(state, model, inner, names, groups)
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(state.weights[name].view_as(params[name]))
+    by_param = {id(params[n]): n for n in names}
+    order = [by_param[id(p)] for group in inner.param_groups for p in group["params"]]
+    inner.load_state_dict({
+        "state": {i: _adam(state, n, params[n]) for i, n in enumerate(order)},
+        "param_groups": [{**g, "params": list(range(start, start + len(group["params"])))}
+                         for g, group, start in zip(groups, inner.param_groups, _starts(inner.param_groups))],
+    })
+
+
+def _starts(groups: list[dict[str, Any]]) -> list[int]:
+    starts, at = [], 0
+    for group in groups:
+        starts.append(at)
+        at += len(group["params"])
+    return starts
+
+
+def _adam(state: PortableState, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    shape = param.shape
+    return {"step": torch.tensor(state.step, dtype=torch.float32),
+            "exp_avg": state.exp_avg[name].reshape(shape), "exp_avg_sq": state.exp_avg_sq[name].reshape(shape)}
+
+
+def _set_fsdp(state: PortableState, model: torch.nn.Module, inner: Any, names: list[str],
+              groups: list[dict[str, Any]]) -> None:
+    """Full tensors in, each rank keeping its own shard (torch's state-dict API for FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    params = dict(model.named_parameters())
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, {n: state.weights[n].view(params[n].shape) for n in names}, options=options)
+    by_param = {id(params[n]): n for n in names}
+    fqn_groups = [[by_param[id(p)] for p in group["params"]] for group in inner.param_groups]
+    set_optimizer_state_dict(model, inner, {
+        "state": {n: _adam(state, n, params[n]) for n in names},
+        "param_groups": [{**g, "params": fqns} for g, fqns in zip(groups, fqn_groups)],
+    }, options=options)
+
+
+def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strategy: str, model: torch.nn.Module,
+                optimizer: Any, scheduler: Any, weight_decay: float) -> dict[str, Any]:
+    """Restore a checkpoint of another layout or strategy into this run's prepared model,
+    optimizer and schedule, and each rank's random state; returns its loop state (as
+    checkpoint.load_checkpoint does for a checkpoint of this layout)."""
+    meta = read_marker(checkpoint)
+    scratch = checkpoint.parent / f"{SCRATCH_DIRNAME}_{checkpoint.name}"
+    bare = accelerator.unwrap_model(model)
+    names = trainable_names(bare, weight_decay)
+    try:
+        if accelerator.is_main_process:
+            prepare(checkpoint, old_strategy, scratch)
+        accelerator.wait_for_everyone()
+        state = read_state(checkpoint, old_strategy, names, scratch)
+        scheduler.load_state_dict(torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False))
+        set_state(state, bare, optimizer, names, new_strategy, scheduler.get_last_lr())
+        del state
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(scratch, ignore_errors=True)
+    restore_random_states(checkpoint, accelerator.process_index, int(meta.get("world_size", accelerator.num_processes)))
+    return meta

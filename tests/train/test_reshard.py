@@ -1,0 +1,64 @@
+"""The portable state (runner/train/reshard.py) on one process: a ddp checkpoint read by
+parameter name and set into a fresh model and optimizer gives back the very tensors,
+AdamW moments, step and learning rates that Accelerate's own load_state gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.components.optim import build_scheduler, param_groups
+from runner.config.spec import ScheduleKind, ScheduleSpec
+from runner.train.reshard import needs_reshard, read_state, set_state, trainable_names
+
+
+def build(arch: str):
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runner.certify.architectures import TINY
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch)
+    config.update_from_string(TINY[arch])
+    model = AutoModelForCausalLM.from_config(config)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-2)
+    scheduler = build_scheduler(ScheduleSpec(kind=ScheduleKind.cosine, warmup_steps=1), optimizer, 10)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return accelerator, model, optimizer, scheduler, config.vocab_size
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # tied head; untied head with grouped-query attention
+def test_a_ddp_checkpoint_read_by_name_restores_what_load_state_restores(tmp_path, arch):
+    accelerator, model, optimizer, scheduler, vocab = build(arch)
+    for _ in range(3):
+        ids = torch.randint(0, vocab, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path))
+    expected_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = optimizer.state_dict()
+
+    _, fresh, fresh_optimizer, fresh_scheduler, _ = build(arch)
+    fresh_scheduler.load_state_dict(torch.load(tmp_path / "custom_checkpoint_0.pkl", weights_only=False))
+    names = trainable_names(fresh, 0.01)
+    state = read_state(tmp_path, "ddp", names, tmp_path / "scratch")
+    assert state.step == 3.0
+    set_state(state, fresh, fresh_optimizer, names, "ddp", fresh_scheduler.get_last_lr())
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, expected_params[name]), name
+    restored = fresh_optimizer.state_dict()
+    for index, values in expected["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(restored["state"][index][key], values[key]), (index, key)
+    assert [g["lr"] for g in restored["param_groups"]] == [g["lr"] for g in expected["param_groups"]] != [1e-2, 1e-2]
+
+
+def test_which_resumes_are_read_across():
+    assert not needs_reshard("ddp", "ddp", 2, 1)  # every rank holds everything
+    assert not needs_reshard("zero3", "zero3", 2, 2)  # its own layout: Accelerate's load_state
+    assert needs_reshard("zero3", "zero3", 2, 1) and needs_reshard("fsdp", "ddp", 2, 2) and needs_reshard("ddp", "fsdp", 1, 2)
