@@ -53,9 +53,15 @@ SKIP_OUTPUT_UPCAST = Patch(
     "under bf16/fp16 the model's outputs are not copied to fp32 (unwraps Accelerate's ConvertOutputsToFp32)",
     "every step copies the logits to fp32",
 )
+ZERO2_LINK_READ_ACROSS_STATE = Patch(
+    "zero2_link_read_across_state", "deepspeed", ("0.19.8",),
+    "a checkpoint read across into zero2 links each parameter's fragment to the AdamW state made for it before "
+    "the first step (calls DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state, runner/train/reshard.py)",
+    "resuming under zero2 from another layout or strategy is refused",
+)
 
 PATCHES = (ZERO3_RELEASE_GRADIENT_PARTITION, ZERO3_SHARE_FP32_MASTER, DEEPSPEED_FORGET_WORLD_GROUP, FSDP2_ON_CPU,
-           SKIP_OUTPUT_UPCAST)
+           SKIP_OUTPUT_UPCAST, ZERO2_LINK_READ_ACROSS_STATE)
 
 
 @lru_cache(maxsize=None)

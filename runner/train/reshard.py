@@ -13,15 +13,14 @@ and its step count. Each format is read with its library's own tool: safetensors
 torch for ddp; torch's `dcp_to_torch_save` for DCP, which reassembles every shard;
 DeepSpeed's universal-checkpoint converter (`ds_to_universal`) for ZeRO, which merges
 the partitions per parameter. The state is then set into this run's model and
-optimizer: plainly under ddp, and under fsdp through torch's
-`set_model_state_dict` / `set_optimizer_state_dict`, which keep each rank's own shard
-of the full tensors. The schedule and each rank's random state come from the same files
+optimizer: plainly under ddp; under fsdp through torch's `set_model_state_dict` /
+`set_optimizer_state_dict`, and under ZeRO through DeepSpeed's tensor-fragment API
+(`safe_set_full_fp32_param`, `safe_set_full_optimizer_state`), each of which keeps
+each rank's own shard or partition of the full tensors. The schedule and each rank's random state come from the same files
 as in a plain resume.
 
 Reading a checkpoint this way holds the whole fp32 state (weights and two moments) in
 each process's host memory, once, at the resume.
-
-Resuming under zero2/zero3 from another layout is not done yet: `unsupported` names it.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import torch
 
 from runner.components.optim import param_groups
 from runner.config.errors import UserError
+from runner.distributed.patches import ZERO2_LINK_READ_ACROSS_STATE, engaged
 from runner.distributed.strategy import innermost_optimizer
 from runner.train.checkpoint import read_marker
 from runner.train.rng import restore_random_states
@@ -45,7 +45,7 @@ from runner.train.rng import restore_random_states
 log = logging.getLogger(__name__)
 
 READS = ("ddp", "zero2", "zero3", "fsdp")  # the checkpoints read into a portable state
-WRITES = ("ddp", "fsdp")  # the strategies a portable state is set into
+WRITES = ("ddp", "zero2", "zero3", "fsdp")  # the strategies a portable state is set into
 SCRATCH_DIRNAME = ".reshard"  # beside the run's checkpoints; removed after the resume
 
 
@@ -70,7 +70,11 @@ def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision:
     own = f"in the checkpoint's own layout ({old_world} processes under strategy={old_strategy})"
     if new_strategy not in WRITES:
         return (f"resuming under strategy={new_strategy} from another number of processes or another strategy is not "
-                f"supported yet: resume under strategy=ddp or fsdp (any number of processes), or {own}")
+                f"supported: resume under strategy={', '.join(WRITES)}, or {own}")
+    if new_strategy == "zero2" and not engaged(ZERO2_LINK_READ_ACROSS_STATE):
+        return (f"resuming under zero2 from another layout or strategy needs DeepSpeed "
+                f"{', '.join(ZERO2_LINK_READ_ACROSS_STATE.verified)} (runner/distributed/patches.py): resume under "
+                f"strategy=zero3, ddp or fsdp, or {own}")
     if precision == "fp16":
         return (f"precision=fp16: the dynamic loss scale is kept by each strategy's own scaler and does not move "
                 f"across; resume {own}")
@@ -214,6 +218,9 @@ def set_state(state: PortableState, model: torch.nn.Module, optimizer: Any, name
     if strategy == "fsdp":
         _set_fsdp(state, model, inner, names, groups)
         return
+    if strategy in ("zero2", "zero3"):
+        _set_zero(state, model, optimizer, inner, names, groups)
+        return
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in names:
@@ -280,3 +287,71 @@ def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strat
             shutil.rmtree(scratch, ignore_errors=True)
     restore_random_states(checkpoint, accelerator.process_index, int(meta.get("world_size", accelerator.num_processes)))
     return meta
+
+
+def _zero_flat_partitions(optimizer: Any, inner: Any) -> list[torch.Tensor]:
+    """The flat fp32 partitions AdamW steps under ZeRO: ZeRO-3 keeps them itself (its
+    AdamW's param_groups hold none between steps), ZeRO-1/2 in AdamW's groups."""
+    zero = optimizer
+    while zero is not None and not hasattr(zero, "fp32_partitioned_groups_flat"):
+        zero = getattr(zero, "optimizer", None)
+    if zero is not None:
+        return list(zero.fp32_partitioned_groups_flat)
+    return [flat for group in inner.param_groups for flat in group["params"]]
+
+
+def _materialise_zero_state(optimizer: Any, inner: Any, flats: list[torch.Tensor], step: float) -> None:
+    """AdamW's state for each of ZeRO's flat partitions, before the first step creates it
+    (torch creates it lazily), so the fragment API has moments to write into. ZeRO-1/2
+    link each parameter's fragment to that state on their first step; that link is
+    made here (DeepSpeed's `_lazy_init_hp_params_optimizer_state`, a private method:
+    fenced by version in runner/distributed/patches.py)."""
+    on_device = bool(inner.defaults.get("fused") or inner.defaults.get("capturable"))
+    for flat in flats:
+        if not inner.state.get(flat):
+            inner.state[flat] = {
+                "step": torch.tensor(step, dtype=torch.float32, device=flat.device if on_device else "cpu"),
+                "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format)}
+    zero = optimizer
+    while zero is not None and not hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero = getattr(zero, "optimizer", None)
+    if zero is not None:  # ZeRO-1/2 (ZeRO-3 reads the optimizer's state directly); unsupported() refused other versions
+        assert engaged(ZERO2_LINK_READ_ACROSS_STATE), "refused before launch on an unverified DeepSpeed"
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+def _set_zero(state: PortableState, module: torch.nn.Module, optimizer: Any, inner: Any, names: list[str],
+              groups: list[dict[str, Any]]) -> None:
+    """Into ZeRO's partitions: the fp32 master weights and AdamW moments through DeepSpeed's
+    tensor-fragment API (each rank takes its partition of the full tensor), the working
+    weights (bf16/fp16, or fp32) from the master, and the step count into every flat
+    group's state (the partitions of one group share it)."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    params = dict(module.named_parameters())
+    stage3 = any(hasattr(p, "ds_id") for p in params.values())
+    flats = _zero_flat_partitions(optimizer, inner)
+    _materialise_zero_state(optimizer, inner, flats, state.step)
+
+    def full(name: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = params[name]
+        return values[name].reshape(p.ds_shape if stage3 else p.shape).to(p.device)
+
+    for name in names:
+        safe_set_full_fp32_param(params[name], full(name, state.weights))
+        safe_set_full_optimizer_state(params[name], full(name, state.exp_avg), "exp_avg")
+        safe_set_full_optimizer_state(params[name], full(name, state.exp_avg_sq), "exp_avg_sq")
+    trained = [params[n] for n in names]
+    # The working copy the forward reads: under ZeRO-3 partitioned, so gathered, set on
+    # rank 0 and partitioned again on leaving (a collective); under ZeRO-2 whole on each rank.
+    with deepspeed.zero.GatheredParameters(trained, modifier_rank=0, enabled=stage3), torch.no_grad():
+        for name in names:
+            params[name].data.copy_(state.weights[name].reshape(params[name].shape).to(params[name].dtype))
+    for group, settings in zip(inner.param_groups, groups):
+        group["lr"] = settings["lr"]
+    for flat in flats:  # the partitions of one group share the step count
+        held = inner.state[flat]
+        held["step"] = torch.tensor(state.step, dtype=held["step"].dtype, device=held["step"].device) \
+            if torch.is_tensor(held["step"]) else state.step

@@ -1,5 +1,5 @@
 """Checkpoints resumed on another number of processes or under another strategy (CPU
-processes, gloo): each continues within 1e-4 on the loss and 0.1% on the gradient norm
+processes, gloo: ddp, zero2, zero3 and fsdp, each as source and as destination): each continues within 1e-4 on the loss and 0.1% on the gradient norm
 of an uninterrupted run, at every step, past the epoch boundary (step 8).
 
 Cheap by construction: each source run is a whole 12-step run that keeps its
@@ -61,8 +61,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 CASES = [  # (source, checkpoint step, layout resumed in)
     ("zero3-2", 3, layout("ddp", 1, 8)),  # zero3 on 2 -> ddp on 1, at an odd step
     ("zero3-2", 9, layout("fsdp", 2, 2, 2)),  # -> fsdp with accumulation, past the epoch boundary
+    ("zero3-2", 3, layout("zero3", 1, 8)),  # 2 -> 1 under its own strategy
     ("zero2-2", 5, layout("fsdp", 2, 4)),  # zero2 -> fsdp
+    ("zero2-2", 5, layout("zero2", 1, 4, 2)),  # 2 -> 1 under its own strategy, with accumulation
     ("ddp-1", 3, layout("fsdp", 2, 4)),  # 1 -> 2, ddp -> fsdp
+    ("ddp-1", 3, layout("zero3", 2, 4)),  # 1 -> 2, ddp -> zero3
 ]
 
 
@@ -80,13 +83,29 @@ def test_a_checkpoint_continues_in_another_layout_or_strategy(sources, tmp_path,
 
 def test_fsdp_killed_after_step_5_continues_on_one_process_with_accumulation(sources, tmp_path):
     """The issue's case: fsdp on 2 processes, kill -9 once step 5 is saved, then resume=auto
-    in the same folder on 1 process x 4 x 2 under ddp; and again at step 10, under fsdp on 4."""
+    in the same folder on 1 process x 4 x 2 under ddp. Then that run's step 10 under fsdp
+    on 4 processes (1 -> 4), and the fsdp checkpoint of step 5 under zero2 (fsdp -> zero2)."""
     run_dir = tmp_path / "fsdp"
     kill_9_after_checkpoint(runner(run_dir, *layout("fsdp", 2, 4), "train.save_every=5"), run_dir, step=5)
     run(run_dir, *layout("ddp", 1, 4, 2), "train.save_every=5", "resume=auto")
     reference = step_records(sources["ddp-1"] / "metrics.jsonl")
     assert parity_problems(reference, step_records(run_dir / "metrics.jsonl")) == []
-    again = tmp_path / "fsdp4"
-    run(again, *layout("fsdp", 4, 2), f"resume={run_dir / 'checkpoints' / 'step_10'}")
-    resumed = step_records(again / "metrics.jsonl")
-    assert sorted(resumed) == [11, 12] and parity_problems({s: reference[s] for s in resumed}, resumed) == []
+    for name, settings, step in (("fsdp4", layout("fsdp", 4, 2), 10), ("zero2", layout("zero2", 1, 8), 5)):
+        run(tmp_path / name, *settings, f"resume={run_dir / 'checkpoints' / f'step_{step}'}")
+        resumed = step_records(tmp_path / name / "metrics.jsonl")
+        assert sorted(resumed) == list(range(step + 1, 13)), name
+        assert parity_problems({s: reference[s] for s in resumed}, resumed) == [], name
+
+
+def test_a_bf16_checkpoint_continues_under_zero3_from_its_fp32_master(tmp_path):
+    """bf16 keeps fp32 master weights beside bf16 working ones under ZeRO: both are set
+    from the checkpoint's fp32 master (one process under ddp -> 2 under zero3), within
+    bf16's allowance of the uninterrupted run."""
+    from runner.report.parity import BF16_GRAD_NORM_RTOL, BF16_LOSS_ATOL
+
+    source = tmp_path / "bf16"
+    run(source, *layout("ddp", 1, 8), "precision=bf16", "train.save_every=3")
+    run(tmp_path / "zero3", *layout("zero3", 2, 4), "precision=bf16", f"resume={source / 'checkpoints' / 'step_3'}")
+    reference, resumed = step_records(source / "metrics.jsonl"), step_records(tmp_path / "zero3" / "metrics.jsonl")
+    assert sorted(resumed) == list(range(4, 13))
+    assert parity_problems({s: reference[s] for s in resumed}, resumed, BF16_LOSS_ATOL, BF16_GRAD_NORM_RTOL) == []
