@@ -5,7 +5,8 @@ A checkpoint holds what its strategy holds: ddp the whole model and torch AdamW'
 (`pytorch_model_fsdp_0/`, `optimizer_0/`, keyed by parameter name); zero2/zero3 each
 rank's partitions of DeepSpeed's flat fp32 groups and Adam moments
 (`pytorch_model/zero_pp_rank_R_*`). Accelerate's `load_state` reads each back only in
-the strategy that wrote it, and DeepSpeed's only at its world size.
+the strategy that wrote it: ddp's at any world size, fsdp's too (DCP reshards as it
+loads), DeepSpeed's only at its own.
 
 Across, the checkpoint is read as one portable state, by parameter name: the fp32
 master weights (never re-derived from bf16 weights), AdamW's exp_avg and exp_avg_sq,
@@ -61,8 +62,10 @@ class PortableState:
 
 def needs_reshard(old_strategy: str, new_strategy: str, old_world: int, new_world: int) -> bool:
     """Whether Accelerate's own load_state cannot read the checkpoint in this run: another
-    strategy, or another world size under a sharding one (ddp holds everything on each rank)."""
-    return old_strategy != new_strategy or (old_world != new_world and old_strategy != "ddp")
+    strategy, or another world size under ZeRO. ddp holds everything on each rank; fsdp's
+    DCP checkpoint is resharded by `torch.distributed.checkpoint.load` itself, each rank
+    reading only the pieces of its new shards (no gather)."""
+    return old_strategy != new_strategy or (old_world != new_world and old_strategy not in ("ddp", "fsdp"))
 
 
 def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision: str, peft: str) -> Optional[str]:

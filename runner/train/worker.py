@@ -345,6 +345,10 @@ def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer,
     has already refused what cannot be)."""
     old = load_spec(checkpoint / SPEC_FILENAME)
     old_world = int(read_marker(checkpoint).get("world_size", accelerator.num_processes))
+    if accelerator.is_main_process and old.strategy.kind != spec.strategy.kind:
+        log.warning(f"runner: note: the strategy changed ({old.strategy.kind.value} -> {spec.strategy.kind.value}): "
+                    "it sums in another order, so the continuation matches an uninterrupted run within float "
+                    "rounding, not bit for bit.")
     if not needs_reshard(old.strategy.kind.value, spec.strategy.kind.value, old_world, accelerator.num_processes):
         return load_checkpoint(accelerator, checkpoint)
     if accelerator.is_main_process:

@@ -61,4 +61,5 @@ def test_a_ddp_checkpoint_read_by_name_restores_what_load_state_restores(tmp_pat
 def test_which_resumes_are_read_across():
     assert not needs_reshard("ddp", "ddp", 2, 1)  # every rank holds everything
     assert not needs_reshard("zero3", "zero3", 2, 2)  # its own layout: Accelerate's load_state
+    assert not needs_reshard("fsdp", "fsdp", 2, 4)  # DCP reshards as Accelerate's load_state reads it
     assert needs_reshard("zero3", "zero3", 2, 1) and needs_reshard("fsdp", "ddp", 2, 2) and needs_reshard("ddp", "fsdp", 1, 2)
