@@ -47,6 +47,7 @@ SOURCES = {  # name: (layout, save_every)
     "ddp-1": (layout("ddp", 1, 8), 3),
     "zero3-2": (layout("zero3", 2, 4), 3),
     "zero2-2": (layout("zero2", 2, 4), 5),
+    "zero2-1": (layout("zero2", 1, 8), 3),
 }
 
 
@@ -66,6 +67,7 @@ CASES = [  # (source, checkpoint step, layout resumed in)
     ("zero2-2", 5, layout("zero2", 1, 4, 2)),  # 2 -> 1 under its own strategy, with accumulation
     ("ddp-1", 3, layout("fsdp", 2, 4)),  # 1 -> 2, ddp -> fsdp
     ("ddp-1", 3, layout("zero3", 2, 4)),  # 1 -> 2, ddp -> zero3
+    ("zero2-1", 3, layout("zero2", 2, 2, 2)),  # 1 -> 2 under its own strategy, with accumulation
 ]
 
 
