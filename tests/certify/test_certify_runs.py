@@ -16,7 +16,6 @@ from conftest import patch_train_step
 pytestmark = [pytest.mark.multiprocess]
 
 PAGE = Path(__file__).parent.parent.parent / "docs" / "architectures.md"
-BLOCK = re.compile(r"<!-- certify:begin -->\n(.*?)<!-- certify:end -->", re.S)
 
 
 def certify(*args: str, env: dict[str, str] | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -24,22 +23,27 @@ def certify(*args: str, env: dict[str, str] | None = None, timeout: int = 1500) 
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def assert_published(out: Path, page: Path, marker: str, command: str) -> str:
+    """The matrix `command` printed into `out` is the block between `marker`'s markers on `page`."""
+    block = re.search(rf"<!-- {marker}:begin -->\n(.*?)<!-- {marker}:end -->", page.read_text(), re.S)
+    assert block, f"docs/{page.name} has no {marker} block"
+    assert out.read_text() == block.group(1), (
+        f"docs/{page.name}'s matrix is not what `{command}` prints now; paste this between its markers:\n"
+        + out.read_text())
+    return out.read_text()
+
+
 @pytest.mark.timeout(1800)  # eleven architectures x four strategies, two legs each, beside another xdist worker
 def test_the_published_matrix_is_what_the_command_prints(tmp_path):
     out = tmp_path / "matrix.md"
     done = certify("--work-dir", str(tmp_path / "runs"), "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    published = BLOCK.search(PAGE.read_text())
-    assert published, "docs/architectures.md has no certify block"
-    assert out.read_text() == published.group(1), (
-        "docs/architectures.md's matrix is not what `runner certify` prints now; paste this between its markers:\n"
-        + out.read_text())
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "architecture" not in line]
+    text = assert_published(out, PAGE, "certify", "runner certify")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "architecture" not in line]
     assert len(rows) >= 8 and any(row.startswith("| mixtral |") for row in rows)
 
 
 ADAPTERS_PAGE = PAGE.parent / "adapters.md"
-LORA_BLOCK = re.compile(r"<!-- certify-lora:begin -->\n(.*?)<!-- certify-lora:end -->", re.S)
 
 
 @pytest.mark.timeout(1800)
@@ -54,12 +58,8 @@ def test_the_published_lora_matrix_is_what_the_command_prints(tmp_path):
     done = certify("gpt2", "llama", "qwen3", "mixtral", "--peft", "lora", "--work-dir", str(tmp_path / "runs"),
                    "--out", str(out), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    published = LORA_BLOCK.search(ADAPTERS_PAGE.read_text())
-    assert published, "docs/adapters.md has no certify-lora block"
-    assert out.read_text() == published.group(1), (
-        "docs/adapters.md's LoRA matrix is not what `runner certify --peft lora` prints now; paste this between "
-        "its markers:\n" + out.read_text())
-    assert out.read_text().count("| exact | exact | exact | exact |") == 4
+    text = assert_published(out, ADAPTERS_PAGE, "certify-lora", "runner certify --peft lora")
+    assert text.count("| exact | exact | exact | exact |") == 4
     for arch in ("gpt2", "llama", "qwen3", "mixtral"):
         for run in ("reference", "ddp", "zero2", "zero3", "fsdp"):
             assert_only_adapters_hold_state(tmp_path / "runs" / arch / "fp32_lora" / run)
@@ -82,7 +82,6 @@ def assert_only_adapters_hold_state(run_dir: Path) -> None:
 
 
 ELASTIC_PAGE = PAGE.parent / "elastic-checkpoints.md"
-RESHARD_BLOCK = re.compile(r"<!-- certify-reshard:begin -->\n(.*?)<!-- certify-reshard:end -->", re.S)
 
 
 @pytest.mark.timeout(1200)
@@ -92,12 +91,8 @@ def test_the_published_reshard_matrix_is_what_the_command_prints(tmp_path):
     out = tmp_path / "matrix.md"
     done = certify("gpt2", "llama", "mixtral", "--reshard", "--work-dir", str(tmp_path / "runs"), "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    published = RESHARD_BLOCK.search(ELASTIC_PAGE.read_text())
-    assert published, "docs/elastic-checkpoints.md has no certify-reshard block"
-    assert out.read_text() == published.group(1), (
-        "docs/elastic-checkpoints.md's matrix is not what `runner certify --reshard` prints now; paste this between "
-        "its markers:\n" + out.read_text())
-    assert out.read_text().count("| exact | exact | exact | exact |") == 3
+    text = assert_published(out, ELASTIC_PAGE, "certify-reshard", "runner certify --reshard")
+    assert text.count("| exact | exact | exact | exact |") == 3
     read_across = list((tmp_path / "runs").glob("*/fp32_to_ddp_x1/*/run.log"))
     assert sum("reshard.py" in log.read_text() for log in read_across) == 9  # zero2, zero3, fsdp x 3; ddp loads its own
 
