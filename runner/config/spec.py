@@ -310,6 +310,10 @@ class LaunchSpec:
     check_fit: bool = True
     """Refuse, before any worker starts, a run whose predicted peak per rank exceeds that
     memory (the message names the micro-batch and accumulation that fit). false: start anyway."""
+    mtbf_hours: Optional[float] = None
+    """Mean time between failures of the job's machines, in hours: with it, a run suggests a
+    checkpoint interval from its measured save time (Young/Daly, sqrt(2 x save time x MTBF))
+    and says how far train.save_every is from it (all_results.json `goodput`). null: no suggestion."""
 
 
 @dataclass

@@ -115,6 +115,7 @@ def check_launch(spec: RunSpec) -> list[str]:
     _positive(problems, launch.max_restarts, "launch.max_restarts", allow_zero=True)
     _positive(problems, launch.timeout_minutes, "launch.timeout_minutes")
     _positive(problems, launch.rdzv_timeout, "launch.rdzv_timeout")
+    _positive(problems, launch.mtbf_hours, "launch.mtbf_hours")  # None (no suggestion) passes
     if not 0 <= launch.node_rank < max(launch.nnodes, 1):
         problems.append(f"launch.node_rank={launch.node_rank} must be in 0..launch.nnodes-1.")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:

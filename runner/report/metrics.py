@@ -176,6 +176,12 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         return _fmt(results[key])
 
     rows = [(label, shown(key)) for key, label in keys if results.get(key) is not None or (key == "train_mfu" and key in results)]
+    ledger = results.get("goodput")
+    if ledger and ledger.get("goodput") is not None:
+        parts = ledger["parts_seconds"]
+        rows.append(("goodput", f"{100 * ledger['goodput']:.1f}% of {ledger['wall_seconds']:,.0f} s"))
+        rows += [(f"  {name.replace('_', ' ')} (s)", f"{seconds:,.1f}") for name, seconds in parts.items()
+                 if seconds or name == "steps"]
     if results.get("trainable_parameters") and results["trainable_parameters"] != results.get("total_parameters"):
         rows.append(("trainable parameters", f"{results['trainable_parameters']:,} of {results['total_parameters']:,} "
                                              f"({100 * results['trainable_ratio']:.2f}%)"))
@@ -185,5 +191,7 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
     outputs = "/, ".join(d for d in ("adapter", "model") if (run_dir / d).is_dir()) + "/" if (run_dir / "adapter").is_dir() else "model/"
     lines = ["runner: finished", rule]
     lines += [f"  {label:<{width}}   {value:>{value_width}}" for label, value in rows]
+    if ledger and ledger.get("suggestion"):
+        lines += [rule, f"  checkpoint interval: {ledger['suggestion']}"]
     lines += [rule, f"  outputs in {run_dir}  ({outputs}, all_results.json, metrics.jsonl, loss_curves.png)"]
     return "\n".join(lines)

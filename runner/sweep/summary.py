@@ -29,7 +29,7 @@ from runner.sweep.resume import begin_sweep, continue_command, read_records
 from runner.sweep.status import JOB_STATUS
 from runner.train.signals import hold_signals
 
-COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "reason")
+COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "goodput", "reason")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class JobRow:
     tokens_per_s: Optional[float] = None
     peak_memory_mb: Optional[float] = None
     wall_s: Optional[float] = None
+    goodput: Optional[float] = None  # the job's steps over its wall time (runner/train/ledger.py)
     reason: Optional[str] = None
     run: Optional[str] = None  # new | kept | resumed | re-run, as this invocation recorded it
 
@@ -78,6 +79,7 @@ def collect(sweep_dir: Path) -> list[JobRow]:
             tokens_per_s=results.get("train_tokens_per_second"),
             peak_memory_mb=results.get("peak_memory_mb"),
             wall_s=status.get("wall_s"),
+            goodput=(results.get("goodput") or {}).get("goodput"),
             reason=record.get("reason") or status.get("reason"),
             run=record.get("run"),
         ))
@@ -108,13 +110,13 @@ def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> 
     labels = _varying(rows)
     parity = parity or {}
     header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
-              "max abs Δloss", "max grad-norm rel diff", "parity"]
+              "goodput", "max abs Δloss", "max grad-norm rel diff", "parity"]
     body = [
         [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}",
          # A finished job that ran again says why it was not kept.
          f"{r.run}: {r.reason}" if r.status == "ok" and r.reason else _cell(r.run), _cell(r.train_loss),
          _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
-         *_parity_cells(parity.get(r.job, JobParity()))]
+         "-" if r.goodput is None else f"{r.goodput:.1%}", *_parity_cells(parity.get(r.job, JobParity()))]
         for r in rows
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

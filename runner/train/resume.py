@@ -85,6 +85,7 @@ HARMLESS = frozenset({
     "launch.debug",  # distributed debug logs
     "launch.retain_freed_memory",  # whether glibc hands freed host memory back: resident memory, not values
     "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
+    "launch.mtbf_hours",  # only the checkpoint interval a run suggests
     "sweep.parity_baseline", "sweep.retry_failed",
     "tracking",  # only where metrics go; metrics.jsonl holds every step whichever tracker
     "precision.max_consecutive_skipped_steps",  # when fp16 overflows stop the run, not what a step computes

@@ -25,6 +25,7 @@ from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
 from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_rank_state, save_checkpoint
+from runner.train.ledger import Ledger, launch_time, resumed, write_snapshot
 from runner.train.plan import RunPlan
 from runner.train.signals import Stopped, StopRequest
 from runner.train.verdict import NonFiniteStep, Verdicts
@@ -143,13 +144,20 @@ class Trainer:
         self.data_record = data_record or {}
         self.data_wait = 0.0  # seconds spent waiting for training batches, after the first
         self.first_batch_wait: Optional[float] = None  # opening the data (a stream reads its first window)
+        # Where the launch's wall time goes (runner/train/ledger.py). `_loop_started` and
+        # `_loop_elsewhere` (the loop's seconds in the other parts) give its steps' share.
+        self.ledger = Ledger(launch_time())
+        self._loop_started: Optional[float] = None
+        self._loop_elsewhere = 0.0
+        self._first_batch_part = "startup"
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
         """Train to plan.total_steps, evaluate at the end; returns (train, eval) results."""
         plan, s = self.plan, self.state
         progress = Progress(plan.total_steps, self.accelerator.is_main_process, initial=s.step)
-        started = window_start = time.perf_counter()
+        self._first_batch_part = self.ledger.begin(time.time(), s.step)
+        started = window_start = self._loop_started = time.perf_counter()
         window_steps = 0
         self._logged_real_tokens = self._real_tokens()
         self.model.train()
@@ -191,9 +199,27 @@ class Trainer:
             self.stop.restore()
             progress.close()
         runtime = time.perf_counter() - started
+        self.ledger = self._ledger_now()  # the loop is over: its steps' time is final
+        self._loop_started = None
         self._read_verdict()
         eval_results = self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
+
+    def _ledger_now(self) -> Ledger:
+        """The ledger with the loop's steps so far: its time less what went to the other parts."""
+        ledger = self.ledger.copy()
+        if self._loop_started is not None:
+            ledger.add("steps", time.perf_counter() - self._loop_started - self._loop_elsewhere)
+        return ledger
+
+    def _elsewhere(self, part: str, seconds: float) -> None:
+        """Loop time spent in `part`, not in steps."""
+        if part == "checkpoint_saves":
+            self.ledger.add_save(seconds)
+        else:
+            self.ledger.add(part, seconds)
+        if self._loop_started is not None:
+            self._loop_elsewhere += seconds
 
     def _timed(self, batches: Any) -> Any:
         """The batches, with the time spent waiting for each added to data_wait."""
@@ -208,8 +234,10 @@ class Trainer:
                 waited = time.perf_counter() - started
                 if self.first_batch_wait is None:
                     self.first_batch_wait = waited
+                    self._elsewhere(self._first_batch_part, waited)
                 else:
                     self.data_wait += waited
+                    self._elsewhere("data_wait", waited)
             yield batch
 
     def _token_weighted_windows(self, batches: Any) -> Any:
@@ -301,6 +329,14 @@ class Trainer:
         return checkpoint_dir(self.run_dir, self.state.step)
 
     def save_checkpoint(self) -> Path:
+        started = time.perf_counter()
+        path = self._save_checkpoint()
+        self._elsewhere("checkpoint_saves", time.perf_counter() - started)
+        if self.accelerator.is_main_process:  # a restart in this launch carries the ledger on from here
+            write_snapshot(self.run_dir, self._ledger_now(), self.state.step)
+        return path
+
+    def _save_checkpoint(self) -> Path:
         self._read_verdict()  # never save weights a non-finite step touched
         s, plan = self.state, self.plan
         # Each rank's own running loss sum, so a resume inside a logging window closes
@@ -339,6 +375,7 @@ class Trainer:
             self.train_loader.load_state_dict(load_rank_state(checkpoint, self.accelerator.process_index)["data"])
         s.step, s.epoch = int(meta["step"]), int(meta["epoch"])
         s.start_step = s.step
+        self.ledger = resumed(self.run_dir, self.ledger.launch, s.step)
         if "samples_in_epoch" in meta:
             s.samples_in_epoch = int(meta["samples_in_epoch"])
         else:  # checkpoints before the position was kept in samples: same layout only
@@ -570,7 +607,9 @@ class Trainer:
         }
 
     def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
+        started = time.perf_counter()
         results = self.evaluate()
+        self._elsewhere("evaluation", time.perf_counter() - started)
         if results:
             self.state.last_eval = results
             self.metrics.write({"step": self.state.step, **{k: results[k] for k in ("eval_loss", "perplexity", "eval_accuracy")}})

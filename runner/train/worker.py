@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_chec
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
+from runner.train.ledger import report as ledger_report
 from runner.train.reshard import load_across, needs_reshard
 from runner.train.resume import resolve
 from runner.train.rng import loader_generator, seed_training_stream
@@ -404,9 +406,13 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
                          trainable_ratio=round(plan.trainable / max(plan.parameters, 1), 6))
     if spec.train.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable
+    started = time.perf_counter()
     save_outputs(spec, strategy, accelerator, model, tokenizer, run_dir)
+    trainer.ledger.add("checkpoint_saves", time.perf_counter() - started)  # model/ (or adapter/)
     results: dict[str, Any] = {}
     if accelerator.is_main_process:
+        train_results["goodput"] = ledger_report(trainer.ledger, time.time() - trainer.ledger.launch,
+                                                 trainer.state.step, spec.train.save_every, spec.launch.mtbf_hours)
         train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)
         train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
         if isinstance(data, PreparedData) and data.counts:  # instruction formats: examples, rows, trained tokens

@@ -51,6 +51,9 @@ def test_failed_jobs_are_recorded_and_the_sweep_goes_on(mixed_sweep):
         if r["status"] == "ok":
             assert float(r["train_loss"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["peak_memory_mb"]) > 0
             assert float(r["eval_loss"]) > 0 and float(r["perplexity"]) > 1 and float(r["wall_s"]) > 0
+            assert 0 < float(r["goodput"]) < 1  # the job's steps over its wall time
+        else:
+            assert r["goodput"] == ""  # a failed job has no ledger
 
 
 @pytest.mark.e2e

@@ -77,6 +77,14 @@ def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["train_steps"] == 24
     assert losses(run_dir) == ddp_uninterrupted
+    # The goodput ledger: the restart resumed step 8, so steps 9-10 ran twice; the time from
+    # the step-8 save to the restarted loop is lost; the parts still add up to the wall time.
+    ledger = results["goodput"]
+    parts = ledger["parts_seconds"]
+    one_step = parts["steps"] / 24
+    assert parts["lost_to_restarts"] > 2 * one_step and parts["startup"] > 0 and parts["checkpoint_saves"] > 0
+    assert abs(ledger["parts_sum_seconds"] - ledger["wall_seconds"]) <= 0.02 * ledger["wall_seconds"], ledger
+    assert ledger["goodput"] == pytest.approx(parts["steps"] / ledger["wall_seconds"], abs=1e-3)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])

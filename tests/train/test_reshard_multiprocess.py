@@ -48,6 +48,7 @@ SOURCES = {  # name: (layout, save_every)
     "zero3-2": (layout("zero3", 2, 4), 3),
     "zero2-2": (layout("zero2", 2, 4), 5),
     "zero2-1": (layout("zero2", 1, 8), 3),
+    "zero3-1": (layout("zero3", 1, 8), 3),
 }
 
 
@@ -68,6 +69,7 @@ CASES = [  # (source, checkpoint step, layout resumed in)
     ("ddp-1", 3, layout("fsdp", 2, 4)),  # 1 -> 2, ddp -> fsdp
     ("ddp-1", 3, layout("zero3", 2, 4)),  # 1 -> 2, ddp -> zero3
     ("zero2-1", 3, layout("zero2", 2, 2, 2)),  # 1 -> 2 under its own strategy, with accumulation
+    ("zero3-1", 3, layout("zero3", 2, 4)),  # 1 -> 2 under its own strategy
 ]
 
 

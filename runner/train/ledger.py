@@ -1,0 +1,141 @@
+"""Where a run's wall time goes: the goodput ledger.
+
+The wall time of a launch (from `runner` starting it to the results being written) is
+split into parts that add up to it:
+
+- startup: to the first training batch (validation, data preparation, model build,
+  wrapping, a resume's loading, the first batch's wait);
+- steps: the training loop's own time (forward, backward, optimizer, logging);
+- data_wait: waiting for training batches after the first;
+- evaluation: every evaluation, in the loop and at the end;
+- checkpoint_saves: every checkpoint save, and writing model/ (or adapter/) at the end;
+- lost_to_restarts: after a worker died and `launch.max_restarts` restarted the workers,
+  the time from the checkpoint they resumed from to the new attempt's first batch: the
+  work redone since that checkpoint plus the restart itself.
+
+Goodput is steps / wall. The launcher stamps the launch's start in the environment
+(`LAUNCH_TIME_ENV`), which torch elastic hands to restarted workers unchanged. After
+each checkpoint rank 0 records the ledger so far beside it (`ledger.json` in the run
+folder); a restarted attempt that resumes that checkpoint in the same launch carries
+those parts over and counts the rest as lost. A resume in a new launch (resume=auto the
+next day) starts a new ledger: its wall time is its own.
+
+From the measured save time and `launch.mtbf_hours`, the run suggests a checkpoint
+interval by Young and Daly's rule: sqrt(2 x save time x MTBF).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+LAUNCH_TIME_ENV = "RUNNER_LAUNCH_TIME"
+LEDGER_FILENAME = "ledger.json"
+PARTS = ("startup", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
+
+
+def launch_time() -> float:
+    """When this launch began (wall clock); this process's start of the run when no
+    launcher stamped it (runs handed to workers in turn, a joined outside launch)."""
+    stamped = os.environ.get(LAUNCH_TIME_ENV)
+    return float(stamped) if stamped else time.time()
+
+
+def stamp_launch() -> None:
+    """The launcher, once per launch (each job of a sweep is a launch of its own)."""
+    os.environ[LAUNCH_TIME_ENV] = repr(time.time())
+
+
+@dataclass
+class Ledger:
+    launch: float  # wall clock of the launch's start
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    saves: int = 0  # checkpoint saves timed (for the mean save time)
+    save_seconds: float = 0.0  # their time alone (checkpoint_saves also holds model/)
+    resumed_at: Optional[float] = None  # a restart: when the checkpoint it resumed was recorded
+    first_step: int = 0  # the step this launch's first attempt started from
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] += max(seconds, 0.0)
+
+    def begin(self, now: float, step: int) -> str:
+        """The loop starts at wall clock `now`, at `step`: the time before it is start-up,
+        or after a restart, lost since the checkpoint. Returns the part the first batch's
+        wait joins."""
+        if self.resumed_at is None:
+            self.first_step = step
+        part = "startup" if self.resumed_at is None else "lost_to_restarts"
+        self.add(part, now - (self.launch if self.resumed_at is None else self.resumed_at))
+        return part
+
+    def add_save(self, seconds: float) -> None:
+        self.add("checkpoint_saves", seconds)
+        self.saves += 1
+        self.save_seconds += max(seconds, 0.0)
+
+    def snapshot(self, step: int) -> dict[str, Any]:
+        return {**asdict(self), "step": step, "at": time.time()}
+
+    def copy(self) -> "Ledger":
+        return Ledger(self.launch, dict(self.parts), self.saves, self.save_seconds, self.resumed_at, self.first_step)
+
+
+def write_snapshot(run_dir: Path, ledger: Ledger, step: int) -> None:
+    """Rank 0, after a checkpoint is complete: the ledger up to it (atomic rename)."""
+    tmp = run_dir / f".{LEDGER_FILENAME}.tmp"
+    tmp.write_text(json.dumps(ledger.snapshot(step)))
+    tmp.replace(run_dir / LEDGER_FILENAME)
+
+
+def resumed(run_dir: Path, launch: float, step: int) -> Ledger:
+    """The ledger of an attempt that resumed checkpoint `step`: within the same launch
+    (a restart), the parts recorded at that checkpoint, the time since counted as lost
+    when the loop begins; else a new ledger."""
+    ledger = Ledger(launch)
+    try:
+        saved = json.loads((run_dir / LEDGER_FILENAME).read_text())
+    except (OSError, ValueError):
+        return ledger
+    if saved.get("launch") != launch or saved.get("step") != step:
+        return ledger  # another launch's, or not the checkpoint resumed
+    ledger.parts.update({k: float(v) for k, v in saved["parts"].items() if k in PARTS})
+    ledger.saves, ledger.save_seconds = int(saved["saves"]), float(saved["save_seconds"])
+    ledger.first_step = int(saved.get("first_step", 0))
+    ledger.resumed_at = float(saved["at"])
+    return ledger
+
+
+def suggested_interval(save_seconds: float, mtbf_hours: float) -> float:
+    """Young/Daly: the checkpoint interval (seconds) that loses least to saves and failures."""
+    return math.sqrt(2.0 * save_seconds * mtbf_hours * 3600.0)
+
+
+def report(ledger: Ledger, wall: float, last_step: int, save_every: int, mtbf_hours: Optional[float]) -> dict[str, Any]:
+    """all_results.json's `goodput` entry: the parts, their sum against the wall time, the
+    goodput, and the checkpoint interval Young/Daly suggest from the measured save time
+    and the steps' own time (evaluations and saves left out)."""
+    steps_run = last_step - ledger.first_step
+    step_seconds = ledger.parts["steps"] / steps_run if steps_run > 0 else None
+    parts = {k: round(v, 3) for k, v in ledger.parts.items()}
+    out: dict[str, Any] = {
+        "wall_seconds": round(wall, 3),
+        "parts_seconds": parts,
+        "parts_sum_seconds": round(sum(ledger.parts.values()), 3),
+        "goodput": round(ledger.parts["steps"] / wall, 4) if wall > 0 else None,
+        "mean_save_seconds": round(ledger.save_seconds / ledger.saves, 3) if ledger.saves else None,
+    }
+    if ledger.saves and mtbf_hours and step_seconds:
+        interval = suggested_interval(ledger.save_seconds / ledger.saves, mtbf_hours)
+        steps = max(1, round(interval / step_seconds))
+        out["suggested_save_every"] = steps
+        out["suggestion"] = (
+            f"Young/Daly with a save of {ledger.save_seconds / ledger.saves:.2f} s and launch.mtbf_hours={mtbf_hours:g}: "
+            f"a checkpoint every {interval:,.0f} s, about {steps:,} steps of {step_seconds:.3g} s"
+            + (f"; train.save_every={save_every} is {save_every / steps:.2g}x that" if save_every else
+               "; train.save_every=0 saves none"))
+    return out

@@ -1,0 +1,48 @@
+"""The goodput ledger's arithmetic (runner/train/ledger.py): a restart in the same launch
+carries the parts recorded at its checkpoint and counts the time since as lost; a resume
+in a new launch starts afresh; Young/Daly's interval."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from runner.train.ledger import Ledger, report, resumed, suggested_interval, write_snapshot
+
+
+def test_a_first_attempt_counts_the_time_before_its_loop_as_startup():
+    ledger = Ledger(launch=100.0)
+    assert ledger.begin(112.5, step=0) == "startup" and ledger.parts["startup"] == 12.5
+
+
+def test_a_restart_in_the_same_launch_carries_the_parts_and_counts_the_rest_as_lost(tmp_path):
+    before = Ledger(launch=100.0)
+    before.begin(110.0, step=0)
+    before.add("steps", 30.0)
+    before.add_save(2.0)
+    write_snapshot(tmp_path, before, step=8)
+    saved_at = resumed(tmp_path, 100.0, 8).resumed_at
+    assert saved_at is not None
+
+    after = resumed(tmp_path, 100.0, 8)
+    assert after.parts["steps"] == 30.0 and after.parts["startup"] == 10.0 and after.saves == 1
+    assert after.begin(saved_at + 7.0, step=8) == "lost_to_restarts" and after.first_step == 0
+    assert after.parts["lost_to_restarts"] == pytest.approx(7.0)
+    assert after.parts["startup"] == 10.0  # the restart's own start-up is part of what it lost
+
+    assert resumed(tmp_path, 999.0, 8).parts["steps"] == 0.0  # another launch: a ledger of its own
+    assert resumed(tmp_path, 100.0, 4).parts["steps"] == 0.0  # not the checkpoint recorded
+    assert resumed(tmp_path / "none", 100.0, 8).resumed_at is None
+
+
+def test_the_report_sums_the_parts_and_suggests_young_daly():
+    ledger = Ledger(launch=0.0)
+    ledger.parts.update(startup=5.0, steps=80.0, data_wait=1.0, evaluation=4.0, checkpoint_saves=10.0)
+    ledger.saves, ledger.save_seconds = 5, 10.0
+    out = report(ledger, wall=100.0, last_step=160, save_every=100, mtbf_hours=1.0)  # 80 s / 160 steps
+    assert out["goodput"] == 0.8 and out["parts_sum_seconds"] == 100.0 and out["mean_save_seconds"] == 2.0
+    interval = math.sqrt(2 * 2.0 * 3600)  # 120 s
+    assert suggested_interval(2.0, 1.0) == pytest.approx(interval)
+    assert out["suggested_save_every"] == 240 and "train.save_every=100 is 0.42x that" in out["suggestion"]
+    assert "suggestion" not in report(ledger, 100.0, 160, 100, mtbf_hours=None)
