@@ -32,6 +32,7 @@ from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, worl
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.train import worker
+from runner.train.ledger import LAUNCH_TIME_ENV
 
 
 def free_port() -> int:
@@ -104,6 +105,8 @@ def launch_in_turn(spec: RunSpec, spec_paths: list[Path]) -> None:
     dozens of seconds-long runs). `spec` stands for them all: they share its launch
     settings (one node, launch.nproc_per_node workers, no restarts)."""
     assert spec.launch.nnodes == 1 and spec.launch.max_restarts == 0, "one node, no restarts"
+    # Each run's ledger starts with the run itself, not with an earlier launch of this process.
+    os.environ.pop(LAUNCH_TIME_ENV, None)
     with planned_world(spec):
         nproc = resolve_nproc(spec.launch)
         prepare_environment(nproc, spec.launch.debug)

@@ -40,8 +40,8 @@ PARTS = ("startup", "steps", "data_wait", "evaluation", "checkpoint_saves", "los
 
 
 def launch_time() -> float:
-    """When this launch began (wall clock); this process's start of the run when no
-    launcher stamped it (runs handed to workers in turn, a joined outside launch)."""
+    """When this launch began (wall clock): stamped by the launcher, or by the worker for
+    a run handed to it in turn or joined from an outside launch (worker.run)."""
     stamped = os.environ.get(LAUNCH_TIME_ENV)
     return float(stamped) if stamped else time.time()
 

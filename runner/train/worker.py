@@ -67,6 +67,7 @@ from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_chec
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
+from runner.train.ledger import LAUNCH_TIME_ENV, stamp_launch
 from runner.train.ledger import report as ledger_report
 from runner.train.reshard import load_across, needs_reshard
 from runner.train.resume import resolve
@@ -102,12 +103,21 @@ class Loaders:
 
 def run(spec: Optional[RunSpec]) -> dict[str, Any]:
     """Join the process group (if any), agree on rank 0's spec, train."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Before the spec is known (a joined follower) the default timeout applies.
-        init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
-        spec = agree_on_spec(spec)
-    assert spec is not None, "a single process always has its spec"
-    return train(spec)
+    # The ledger's wall time starts with the launch; a run handed to workers in turn
+    # (runner certify) or joined from an outside launch starts it here, for itself.
+    owned = LAUNCH_TIME_ENV not in os.environ
+    if owned:
+        stamp_launch()
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Before the spec is known (a joined follower) the default timeout applies.
+            init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
+            spec = agree_on_spec(spec)
+        assert spec is not None, "a single process always has its spec"
+        return train(spec)
+    finally:
+        if owned:
+            os.environ.pop(LAUNCH_TIME_ENV, None)
 
 
 def main(spec_path: str) -> None:
