@@ -1,6 +1,8 @@
 """Where a run's wall time goes: the goodput ledger.
 
-The wall time of a launch (from `runner` starting it to the results being written) is
+The wall time of a launch (from the launcher taking the composed spec, runner.launch.start,
+to the results being written; the interpreter's start and Hydra's composition before it
+are not counted) is
 split into parts that add up to it:
 
 - startup: to the first training batch (validation, data preparation, model build,
