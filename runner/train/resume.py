@@ -134,8 +134,10 @@ def layout_change_problems(
     before, after = _layout(old, old_world), _layout(new, new_world)
     problems = []
     if needs_reshard(old.strategy.kind.value, new.strategy.kind.value, old_world, new_world):
+        offload = any(o.value != "none" for spec in (old, new)
+                      for o in (spec.strategy.offload_optimizer, spec.strategy.offload_params))
         why = unsupported(old.strategy.kind.value, new.strategy.kind.value, old_world, new.precision.kind.value,
-                          new.peft.kind.value)
+                          new.peft.kind.value, offload)
         if why:
             problems.append(why)
     if before == after:

@@ -56,6 +56,10 @@ def test_a_sharded_checkpoint_is_read_across_into_another_strategy(compose_spec)
     lora = compare(compose_spec("strategy=zero2", "peft=lora"), compose_spec("strategy=fsdp", "peft=lora"), 2, 2, 64,
                    MARKER)[0]
     assert len(lora) == 1 and "adapters (peft) under zero2" in lora[0]
+    offload = ("strategy=zero3", "strategy.offload_optimizer=cpu")
+    offloaded = compare(compose_spec(*offload, "train.per_device_batch_size=4"),
+                        compose_spec(*offload, "train.per_device_batch_size=8"), 2, 1, 64, MARKER)[0]
+    assert len(offloaded) == 1 and "offload_optimizer or offload_params set is not verified" in offloaded[0]
     # ddp holds everything on each rank: Accelerate's own load_state reads it at any world size
     assert compare(compose_spec("train.per_device_batch_size=4"), compose_spec("train.per_device_batch_size=2"), 1, 2, 64,
                    MARKER)[0] == []
