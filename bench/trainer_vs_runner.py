@@ -64,21 +64,23 @@ def _asset(name: str) -> Path:
     return asset_path(name)
 
 
-def _build_model(vocab_size: int) -> Any:
+def _build_model(vocab_size: int, config_overrides: str = CONFIG_OVERRIDES) -> Any:
     """run_clm's from-scratch model: CONFIG_MAPPING['gpt2']() + --config_overrides."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     config = CONFIG_MAPPING["gpt2"]()
-    config.update_from_string(CONFIG_OVERRIDES)
+    if config_overrides:
+        config.update_from_string(config_overrides)
     model = AutoModelForCausalLM.from_config(config)
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(vocab_size)
     return model
 
 
-def worker_trainer(steps: int, out: Path) -> None:
+def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRIDES, bf16: bool = False) -> None:
     """run_clm.py's path, condensed: load_dataset('text'), 5% validation split,
-    tokenize, group_texts, Trainer with default_data_collator."""
+    tokenize, group_texts, Trainer with default_data_collator. `config_overrides`: run_clm's
+    --config_overrides ("" for GPT-2 small, 124M); `bf16`: its --bf16."""
     from itertools import chain
 
     from datasets import DatasetDict, load_dataset
@@ -121,7 +123,7 @@ def worker_trainer(steps: int, out: Path) -> None:
     lm = tokenized.map(group_texts, batched=True, desc=f"Grouping texts in chunks of {BLOCK}")
 
     set_seed(SEED)  # run_clm seeds before building the model
-    model = _build_model(len(tokenizer))
+    model = _build_model(len(tokenizer), config_overrides)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output_dir:
         args = TrainingArguments(
             output_dir=output_dir,
@@ -138,6 +140,7 @@ def worker_trainer(steps: int, out: Path) -> None:
             report_to=[],
             seed=SEED,
             use_cpu=True,
+            bf16=bf16,
             dataloader_num_workers=0,
             disable_tqdm=True,
         )

@@ -231,14 +231,17 @@ def real_tokens(batch: dict[str, Any]) -> int:
     return int(batch["input_ids"].numel())
 
 
-def model_inputs(batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
+def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True) -> dict[str, Any]:
     """The forward's arguments for a batch (its labels only if asked). A packed batch
     (position ids, no attention mask) runs with no cache: a model that builds one (GPT-2
     does whenever use_cache is on, its config's default) skips the packed-sequence mask,
     and packed examples would attend to each other. tests/components/test_instruct.py
-    fails on that leak."""
+    fails on that leak. `cache=False` (model.compile): none either, as each layer's cache
+    state is a guard that would recompile every layer. Otherwise the model's default
+    stays: with neither cache nor mask, transformers looks for packed sequences in the
+    position ids it makes, reading the device (a GPU sync a step)."""
     inputs = {k: v for k, v in batch.items() if (labels or k != "labels") and k != "real_tokens"}
-    return {**inputs, "use_cache": False} if "position_ids" in batch else inputs
+    return {**inputs, "use_cache": False} if "position_ids" in batch or not cache else inputs
 
 
 def token_losses(logits: Any, labels: Any) -> tuple[Any, Any]:

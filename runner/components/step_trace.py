@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any, Iterator, Optional
 
 from runner.components.adapters import add_adapters, uses_adapters
+from runner.components.chunked_loss import install as install_chunked_loss
 from runner.config.spec import ModelSpec, PeftSpec
 
 
@@ -177,6 +178,8 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
             meta_model = add_adapters(peft, build(), spec.gradient_checkpointing)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = meta_model.to_empty(device="cpu") if adapters else build()  # a frozen base: gradients only for the adapters
+        # The loss as the run computes it: chunked, unless the run would fall back (its probe runs on fake tensors too).
+        chunked = install_chunked_loss(model)[0] if spec.chunked_loss else None
         model.train()
         parameters = sum(p.numel() for p in model.parameters())
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -190,7 +193,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
                  else contextlib.nullcontext())
         with tracker, fused, grouped_experts_traceable():
-            with autocast:
+            with autocast, (chunked.labels(ids) if chunked is not None else contextlib.nullcontext()):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
     return StepTrace(parameters, grad_bytes, tuple(samples), time.perf_counter() - start, largest)

@@ -102,6 +102,11 @@ class ModelSpec:
     """Recompute activations in backward: less memory, about 30% more compute."""
     compile: bool = False
     """Wrap the model in torch.compile (first steps are slow while it compiles)."""
+    chunked_loss: bool = True
+    """Compute the output head and the loss over chunks of tokens, never holding the whole
+    (tokens x vocabulary) logits: same loss and gradients (runner/components/chunked_loss.py).
+    Left off, with the reason said, for a model whose forward changes its logits before
+    the loss or whose head is not a plain linear layer."""
     attn_implementation: Optional[AttnImplementation] = None
     """eager | sdpa. null: transformers' default for the model."""
 

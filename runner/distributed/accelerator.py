@@ -37,7 +37,6 @@ def build_accelerator(
     strategy: Strategy,
     grad_accum_steps: int,
     max_grad_norm: float,
-    compile_model: bool = False,
     timeout_minutes: float = 30.0,
     tracking: str = "none",
     logging_dir: Optional[str] = None,
@@ -68,8 +67,8 @@ def build_accelerator(
         mixed_precision=MIXED_PRECISION[strategy.precision.kind],
         gradient_accumulation_steps=grad_accum_steps,
         kwargs_handlers=handlers,
-        # torch.compile applied by prepare(); unwrap_model strips it again for saving.
-        dynamo_backend="inductor" if compile_model else None,
+        # No dynamo_backend: model.compile compiles each layer in place before prepare()
+        # (runner/components/compile.py), the same way under every strategy.
         log_with=None if tracking == "none" else tracking,
         project_config=ProjectConfiguration(logging_dir=logging_dir) if logging_dir else None,
         **options,

@@ -45,14 +45,20 @@ def check_engaged(accelerator: "Accelerator", model: Any, optimizer: Any, spec: 
     if accelerator.gradient_accumulation_steps != accum:
         problems.append(f"gradient accumulation is {accelerator.gradient_accumulation_steps} steps, expected {accum}")
     problems += strategy.engagement_problems(accelerator, model, planned_world_size)
-    if spec.model.compile and strategy.compiles_model() and not hasattr(model, "_orig_mod"):
-        problems.append(f"model.compile=true but the model is not compiled ({type(model).__name__})")
+    if spec.model.compile and not compiled_layers(model):
+        problems.append(f"model.compile=true but no layer of the model is compiled ({type(model).__name__})")
     in_use, wanted_optimizer = engaged_optimizer(optimizer), strategy.expected_optimizer(spec.optim.fused)
     if in_use != wanted_optimizer:
         problems.append(f"the optimizer in use is {in_use}, expected {wanted_optimizer}")
     if problems:
         raise EngagementError("strategy not engaged as specified: " + "; ".join(problems))
     return in_use
+
+
+def compiled_layers(model: Any) -> int:
+    """How many modules of `model` (bare or wrapped) are compiled in place (model.compile:
+    runner/components/compile.py)."""
+    return sum(1 for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None)
 
 
 def rank_fingerprints(accelerator: "Accelerator", model: Any, strategy: Strategy) -> list[float]:

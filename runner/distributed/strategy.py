@@ -70,6 +70,11 @@ class Strategy:
         """What the strategy will do that the spec's keys do not say."""
         return []
 
+    def compile_note(self) -> str:
+        """What model.compile=true (each layer compiled in place, runner/components/compile.py)
+        gives under this strategy, for the banner."""
+        return "each transformer layer compiled in place (inductor); compile time and recompilations are reported at the end"
+
     def precision_policy(self) -> str:
         """What `precision` means under this strategy: the dtype of the weights, the compute,
         the gradients and the optimizer's copy. bf16 is three different numerics across
@@ -113,10 +118,6 @@ class Strategy:
     def expected_optimizer(self, fused: bool) -> str:
         """The optimizer the run will step, as engaged_optimizer names it."""
         return adamw_name(fused)
-
-    def compiles_model(self) -> bool:
-        """Whether model.compile=true is applied by prepare() (DeepSpeed compiles inside its engine)."""
-        return True
 
     # ------------------------------------------------------------ a step
     def backward(self, accelerator: "Accelerator", loss: torch.Tensor) -> None:
@@ -187,7 +188,6 @@ class DDPStrategy(Strategy):
     def engagement_problems(self, accelerator: "Accelerator", model: Any, planned_world_size: int) -> list[str]:
         if planned_world_size <= 1:
             return []
-        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
-        if not isinstance(inner, DistributedDataParallel):
-            return [f"expected DistributedDataParallel, got {type(inner).__name__} ({accelerator.state.distributed_type})"]
+        if not isinstance(model, DistributedDataParallel):
+            return [f"expected DistributedDataParallel, got {type(model).__name__} ({accelerator.state.distributed_type})"]
         return []

@@ -191,10 +191,6 @@ def check_fsdp(spec: RunSpec) -> list[str]:
     if spec.strategy.offload_params.value != "none" and not torch.cuda.is_available():
         p.append("strategy.offload_params=cpu under strategy=fsdp moves parameters from the GPU to host memory; on a "
                  "CPU-only machine they are there already. Set strategy.offload_params=none.")
-    if spec.model.compile:
-        p.append("model.compile=true with strategy=fsdp is not supported yet (Accelerate compiles the model before "
-                 "fully_shard, which runner's engagement check and unwrap do not handle). Use model.compile=false, "
-                 "or strategy=ddp / zero2 with model.compile=true.")
     p += fsdp_layer_problems(spec)
     return p
 

@@ -165,6 +165,8 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         ("train_steps", "optimizer steps"),
         ("train_tokens", "tokens seen"),
         ("train_runtime", "train time (s)"),
+        ("compile_seconds", "compile (s)"),  # model.compile, in training and evaluation (runner/components/compile.py)
+        ("recompilations", "recompilations"),
         ("train_tokens_per_second", "tokens/s"),
         ("train_samples_per_second", "samples/s"),
         ("train_mfu", "MFU"),

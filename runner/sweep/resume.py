@@ -55,7 +55,7 @@ def has_results(job_dir: Path) -> bool:
 # the same math, but the summary's speed and memory columns measure them.
 RESULT_DEFINING = ("train.max_steps", "train.num_epochs", "train.eval_every", "data.max_eval_samples",
                    "model.gradient_checkpointing", "model.compile", "model.attn_implementation",
-                   "launch.retain_freed_memory", "strategy.reshard_after_forward")
+                   "model.chunked_loss", "launch.retain_freed_memory", "strategy.reshard_after_forward")
 
 
 def result_changes(job_dir: Path, spec: RunSpec, world: int) -> list[str]:

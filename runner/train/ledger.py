@@ -7,6 +7,8 @@ split into parts that add up to it:
 
 - startup: to the first training batch (validation, data preparation, model build,
   wrapping, a resume's loading, the first batch's wait);
+- compile: torch.compile's compiling (model.compile), wherever it happened: the first
+  steps, an evaluation's first batch, a recompilation;
 - steps: the training loop's own time (forward, backward, optimizer, logging);
 - data_wait: waiting for training batches after the first;
 - evaluation: every evaluation, in the loop and at the end;
@@ -38,7 +40,7 @@ from typing import Any, Optional
 
 LAUNCH_TIME_ENV = "RUNNER_LAUNCH_TIME"
 LEDGER_FILENAME = "ledger.json"
-PARTS = ("startup", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
+PARTS = ("startup", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
 
 
 def launch_time() -> float:

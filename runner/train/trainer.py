@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
+from runner.components.chunked_loss import ChunkedLoss
+from runner.components.compile import NO_COMPILE, compile_stats
 from runner.components.instruct import IGNORE_INDEX, model_inputs, real_tokens, token_losses
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
@@ -102,10 +105,13 @@ class Trainer:
         stream: bool = False,
         data_record: Optional[dict[str, Any]] = None,
         token_weighted: bool = False,
+        chunked_loss: Optional[ChunkedLoss] = None,
+        compiled: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
         self.model = model
+        self.chunked_loss = chunked_loss  # the training forward's loss over chunks of tokens
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.train_loader = train_loader
@@ -150,6 +156,10 @@ class Trainer:
         self._loop_started: Optional[float] = None
         self._loop_elsewhere = 0.0
         self._first_batch_part = "startup"
+        # model.compile: what compiling cost this run (torch counts per process: an earlier
+        # run of an in-process sweep is left out), moved out of the part it happened in.
+        self.compiled = compiled
+        self._compile_start = self._compile_seen = compile_stats() if compiled else NO_COMPILE
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> tuple[dict[str, Any], dict[str, float]]:
@@ -220,6 +230,30 @@ class Trainer:
             self.ledger.add(part, seconds)
         if self._loop_started is not None:
             self._loop_elsewhere += seconds
+
+    def _count_compile(self, part: Optional[str] = None) -> float:
+        """Compile seconds since the last count, moved into the ledger's `compile` part
+        (taken out of `part`, which timed them, or else out of the loop's steps)."""
+        if not self.compiled:
+            return 0.0
+        now = compile_stats()
+        seconds, self._compile_seen = now.seconds - self._compile_seen.seconds, now
+        if seconds > 0:
+            if part is None:
+                self._elsewhere("compile", seconds)
+            else:
+                self.ledger.add("compile", seconds)
+        return max(seconds, 0.0)
+
+    def compile_results(self) -> dict[str, Any]:
+        """all_results.json's account of model.compile: its time apart from the steps', the
+        frames compiled, recompilations (a guard failed: another shape, grad mode) and
+        graph breaks."""
+        if not self.compiled:
+            return {}
+        run = compile_stats().minus(self._compile_start)
+        return {"compile_seconds": round(run.seconds, 3), "compile_frames": run.frames,
+                "recompilations": run.recompilations, "graph_breaks": run.graph_breaks}
 
     def _timed(self, batches: Any) -> Any:
         """The batches, with the time spent waiting for each added to data_wait."""
@@ -416,17 +450,20 @@ class Trainer:
         with acc.accumulate(self.model):
             items, micro = batch.pop("num_items_in_batch", None), batch.pop("window_micro_batches", None)
             if items is None:
-                loss = logged = self.model(**model_inputs(batch, labels=True)).loss
+                with self._loss_over_chunks(batch):
+                    loss = logged = self.model(**model_inputs(batch, labels=True, cache=not self.compiled)).loss
             else:
                 # transformers' loss: this micro-batch's token losses summed, over the step's
                 # trained tokens on all ranks. Backward averages over ranks (DDP, ZeRO,
                 # FSDP) and divides by the accumulation (Accelerate, DeepSpeed): undone here,
                 # so the step's gradient is that of the sum over all its tokens / their number.
                 # The log averages over ranks and the window's micro-batches.
-                share = self.model(**model_inputs(batch, labels=True), num_items_in_batch=items).loss
+                with self._loss_over_chunks(batch):
+                    share = self.model(**model_inputs(batch, labels=True, cache=not self.compiled), num_items_in_batch=items).loss
                 loss = share * (acc.num_processes * self.plan.grad_accum_steps)
                 logged = share * (acc.num_processes * micro)
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
+            self._count_compile()
             if acc.sync_gradients:
                 self._check_finite(loss)
                 if self._optimizer_step():
@@ -468,6 +505,11 @@ class Trainer:
     def _last_good(self) -> str:
         last = self.last_checkpoint or latest_checkpoint(self.run_dir)
         return f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+
+    def _loss_over_chunks(self, batch: dict[str, Any]) -> Any:
+        """The next forward's head and loss chunked (runner/components/chunked_loss.py),
+        when installed."""
+        return nullcontext() if self.chunked_loss is None else self.chunked_loss.labels(batch["labels"])
 
     def _check_finite(self, loss: torch.Tensor) -> None:
         """Stop before a NaN/inf loss or global gradient norm reaches the weights.
@@ -583,7 +625,7 @@ class Trainer:
         sums, counts, correct = [], [], []
         started = time.perf_counter()
         for batch in self.eval_loader:
-            logits = self.model(**model_inputs(batch)).logits
+            logits = self.model(**model_inputs(batch, cache=not self.compiled)).logits
             token_loss, trained = token_losses(logits, batch["labels"])
             predicted = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
             sums.append(acc.gather_for_metrics(token_loss.sum(dim=1)))
@@ -609,7 +651,10 @@ class Trainer:
     def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
         started = time.perf_counter()
         results = self.evaluate()
-        self._elsewhere("evaluation", time.perf_counter() - started)
+        compiling = self._count_compile("evaluation")  # its first batch compiles the no-grad graphs
+        self._elsewhere("evaluation", time.perf_counter() - started - compiling)
+        if self._loop_started is not None:
+            self._loop_elsewhere += compiling
         if results:
             self.state.last_eval = results
             self.metrics.write({"step": self.state.step, **{k: results[k] for k in ("eval_loss", "perplexity", "eval_accuracy")}})

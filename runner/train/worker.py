@@ -34,6 +34,9 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from runner.components.adapters import ADAPTER_DIRNAME, adapter_dropout, add_adapters, uses_adapters
+from runner.components.chunked_loss import ChunkedLoss
+from runner.components.compile import compile_layers
+from runner.components.chunked_loss import install as install_chunked_loss
 from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, PreparedData, collate, collate_for, resolve_block_size
 from runner.components.data import prepare as prepare_data
@@ -92,6 +95,8 @@ class Built:
     tokenizer: Any
     config: Any
     model: torch.nn.Module
+    chunked: Optional[ChunkedLoss] = None  # the head and loss over chunks of tokens (model.chunked_loss)
+    loss_note: str = ""  # how the loss is computed, for the banner
 
 
 @dataclass
@@ -164,7 +169,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         stream=data.source if streamed else "",
     )
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
-                           loaders.sampler, plan, built.config, block_size, run_dir, optimizer_in_use,
+                           loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
                            data_record(spec, data))
     restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
@@ -199,14 +204,20 @@ def build_seeded_model(spec: RunSpec) -> Built:
     model = build_model(spec.model, config, len(tokenizer))
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
-    return Built(tokenizer, config, model)
+    chunked, why_not = install_chunked_loss(model) if spec.model.chunked_loss else (None, "model.chunked_loss=false")
+    if chunked is not None:
+        note = (f"output head and loss over chunks of {chunked.state.chunk:,} tokens (model.chunked_loss): "
+                "the whole logits are never held")
+    else:
+        note = f"plain (the whole logits at once): {why_not}"
+    return Built(tokenizer, config, model, chunked, note)
 
 
 def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: Path) -> Accelerator:
     config = built.config
     return build_accelerator(
         strategy, spec.train.grad_accum_steps, spec.optim.max_grad_norm,
-        compile_model=spec.model.compile, timeout_minutes=spec.launch.timeout_minutes,
+        timeout_minutes=spec.launch.timeout_minutes,
         tracking=spec.tracking.value, logging_dir=str(run_dir / "tensorboard"),
         per_device_batch_size=spec.train.per_device_batch_size, model_type=config.model_type,
         hidden_size=getattr(config, "hidden_size", None),  # GPT-2's n_embd, by transformers' attribute map
@@ -280,6 +291,8 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
     lr = effective_lr(spec.optim, global_batch(spec.train, accelerator.num_processes))
     optimizer = build_optimizer(spec.optim, model, lr)
     strategy.before_prepare(model, accelerator)
+    if spec.model.compile:  # each layer, in place, before any strategy wraps them
+        compile_layers(model, layer_class_names(model))
     if isinstance(loaders.sampler, BlockStream):  # a stream's loader is this rank's own (make_loaders)
         model, optimizer, eval_loader = accelerator.prepare(model, optimizer, loaders.evaluation)
         train_loader = loaders.train
@@ -301,12 +314,14 @@ def data_record(spec: RunSpec, data: PreparedData | StreamedData) -> dict[str, A
 
 
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
-                 train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, config: Any,
+                 train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, built: Built,
                  block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any]) -> Trainer:
-    t = spec.train
+    t, config = spec.train, built.config
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
-        lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}"]
+        lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}", f"  loss           {built.loss_note}"]
+        if spec.model.compile:
+            lines.append(f"  compile        {strategy.compile_note()}")
         lines += [f"  note           {note}" for note in strategy.notes(spec.optim.fused)]  # as in run_spec.yaml
         log.info("\n".join(lines))
     accelerator.register_for_checkpointing(scheduler)  # not prepared (see runner/components/optim.py), so saved explicitly
@@ -323,6 +338,8 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         stream=isinstance(sampler, BlockStream),
         data_record=data_record,
         token_weighted=spec.data.format is not DataFormat.text,
+        chunked_loss=built.chunked,
+        compiled=spec.model.compile,
         spec_yaml=spec_to_yaml(spec),
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model)),
                                               plan.trainable),
@@ -414,6 +431,7 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     plan = trainer.plan
     train_results.update(total_parameters=plan.parameters, trainable_parameters=plan.trainable,
                          trainable_ratio=round(plan.trainable / max(plan.parameters, 1), 6))
+    train_results.update(trainer.compile_results())
     if spec.train.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable
     started = time.perf_counter()

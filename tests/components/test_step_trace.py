@@ -12,8 +12,9 @@ LLAMA = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, 
                     num_key_value_heads=2, max_position_embeddings=128, vocab_size=50257)
 
 
-def act(config, micro_batch=4, block=64, how=Numerics.fp32, checkpointing=False, precision="fp32"):
-    spec = ModelSpec(gradient_checkpointing=checkpointing)
+def act(config, micro_batch=4, block=64, how=Numerics.fp32, checkpointing=False, precision="fp32", chunked=False):
+    """The plain loss unless `chunked` (its own trace: tests/components/test_chunked_loss.py)."""
+    spec = ModelSpec(gradient_checkpointing=checkpointing, chunked_loss=chunked)
     return trace_step(spec, config, micro_batch, block, precision, how)
 
 

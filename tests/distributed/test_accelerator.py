@@ -38,8 +38,9 @@ def on_a_fake_gpu() -> None:
 
 def test_compile_in_fp32_keeps_tf32_off(tf32_flags):
     """model.compile=true in fp32: Accelerate turns TF32 matmuls on when a dynamo backend is
-    set on a GPU (reproduced first with a bare Accelerator); runner's own build keeps both
-    TF32 switches off, so fp32 stays fp32."""
+    set on a GPU (reproduced first with a bare Accelerator). runner compiles the layers
+    itself and gives Accelerate no backend, and its build keeps both TF32 switches off
+    whatever Accelerate did, so fp32 stays fp32."""
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
     on_a_fake_gpu()
     Accelerator(cpu=True, dynamo_backend="inductor")
@@ -47,9 +48,8 @@ def test_compile_in_fp32_keeps_tf32_off(tf32_flags):
     reset_accelerate_state()
     torch.backends.cuda.matmul.allow_tf32 = False
     on_a_fake_gpu()
-    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0,
-                                    compile_model=True)
-    assert accelerator.device.type == "cuda" and accelerator.state.dynamo_plugin.backend.value == "INDUCTOR"
+    accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
+    assert accelerator.device.type == "cuda" and accelerator.state.dynamo_plugin.backend.value == "NO"
     assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
 
 
@@ -108,7 +108,7 @@ def test_engagement_check_compares_with_the_launchers_plan():
         check_engaged(accelerator, model, optimizer, RunSpec(precision=PrecisionSpec(kind=PrecisionKind.bf16)), 1)
     with pytest.raises(EngagementError, match="optimizer in use is AdamW \\(fused\\), expected AdamW \\(foreach\\)"):
         check_engaged(accelerator, model, optimizer, RunSpec(optim=OptimSpec(fused=False)), 1)
-    with pytest.raises(EngagementError, match="model.compile=true but the model is not compiled"):
+    with pytest.raises(EngagementError, match="model.compile=true but no layer of the model is compiled"):
         check_engaged(accelerator, model, optimizer, RunSpec(model=ModelSpec(compile=True)), 1)
 
 
@@ -164,7 +164,7 @@ def test_unwrap_leaves_torch_compile_over_ddp_intact():
     try:
         accelerator = build_accelerator(build_strategy(StrategySpec(), PrecisionSpec()), grad_accum_steps=1, max_grad_norm=1.0)
         bare = torch.nn.Linear(2, 2)
-        compiled = torch.compile(DistributedDataParallel(bare))  # what prepare() builds under ddp + compile
+        compiled = torch.compile(DistributedDataParallel(bare))  # what Accelerate's dynamo_backend builds under DDP
         assert unwrap(accelerator, compiled) is bare
         assert isinstance(compiled._orig_mod, DistributedDataParallel)
         accelerator.unwrap_model(compiled)  # the library's default

@@ -1,0 +1,172 @@
+"""Issue 37's targets, measured side by side in one run: GPT-2 124M at batch 8 x 128.
+
+Not a test: prints the figures beside the targets, asserts nothing, exits 0.
+
+Runs, each in its own subprocess, one after another on the same machine:
+  runner, fp32:  before  model.chunked_loss=false model.compile=false (the path before issue 37)
+                 chunked model.chunked_loss=true  model.compile=false
+                 after   model.chunked_loss=true  model.compile=true
+  runner, bf16:  after, precision=bf16
+  Trainer (run_clm's workflow, bench/trainer_vs_runner.py's worker, with runner's host
+  memory settings as environment variables): fp32 and --bf16.
+Steady tokens/s over steps `--steady-from`+1..`--steps` (compiling happens in the first
+steps); runner's MFU figure is the mean of its metrics.jsonl windows in that range
+(runner/report/flops.py). Peak memory: each runner variant again for 3 steps with
+bench/tensor_peak (the peak of live tensors in step 2, the CPU's analogue of CUDA's
+max_memory_allocated). Then the memory plan at run_clm's 8 x 1024 (a trace on fake
+tensors, runner/components/step_trace.py), the plain loss against the chunked one.
+
+    python bench/speed_targets.py                  # ~20 minutes on 2 CPU cores
+    python bench/speed_targets.py --steps 40 --steady-from 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trainer_vs_runner import REPO, TOKENS_PER_STEP, TUNED_ENV, _env, _header, _spawn  # noqa: E402
+
+TENSOR_PEAK_HOOK = Path(__file__).resolve().parent / "tensor_peak"
+SMALL = ""  # GPT2Config's defaults: GPT-2 small, 124M parameters
+TARGETS = {"mfu": 0.70, "trainer_fp32": 1.8, "trainer_bf16": 2.5, "peak": 0.75}
+VARIANTS = {
+    "before": ("fp32", ["model.chunked_loss=false", "model.compile=false"]),
+    "chunked": ("fp32", ["model.chunked_loss=true", "model.compile=false"]),
+    "after": ("fp32", ["model.chunked_loss=true", "model.compile=true"]),
+    "after bf16": ("bf16", ["model.chunked_loss=true", "model.compile=true"]),
+}
+
+
+def runner_cmd(run_dir: Path, steps: int, precision: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "runner", "recipe=gpt2_clm_tiny", "model.config_overrides=null",
+            "data.block_size=128", "train.per_device_batch_size=8", f"train.max_steps={steps}", "train.eval_every=0",
+            "train.log_every=2", "data.max_eval_samples=8", "tracking=none", f"precision={precision}",
+            f"hydra.run.dir={run_dir}", *extra]
+
+
+def run_runner(work: Path, tag: str, steps: int, steady_from: int, precision: str, extra: list[str]) -> dict[str, Any]:
+    run_dir = work / tag.replace(" ", "_")
+    _spawn(runner_cmd(run_dir, steps, precision, extra), _env(tuned=False), work / f"{run_dir.name}.log")
+    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line]
+    steady = [w for w in windows if w["step"] > steady_from]
+    seconds = sum(2 * TOKENS_PER_STEP / w["tokens_per_s"] for w in steady)  # log_every=2
+    results = json.loads((run_dir / "all_results.json").read_text())
+    return {"tokens_per_s": 2 * TOKENS_PER_STEP * len(steady) / seconds,
+            "mfu": sum(w["mfu"] for w in steady) / len(steady),
+            "compile_seconds": results.get("compile_seconds"), "recompilations": results.get("recompilations")}
+
+
+def tensor_peak_mb(work: Path, tag: str, precision: str, extra: list[str]) -> float:
+    run_dir, out = work / f"{tag.replace(' ', '_')}-peak", work / f"{tag.replace(' ', '_')}-tensor-peak"
+    env = _env(tuned=False)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TENSOR_PEAK_HOOK), env.get("PYTHONPATH", "")]))
+    env["RUNNER_BENCH_TENSOR_PEAK"] = str(out)
+    _spawn(runner_cmd(run_dir, 3, precision, extra), env, work / f"{run_dir.name}.log")
+    return json.loads((out / "rank0.json").read_text())["peak_mb"]
+
+
+def run_trainer(work: Path, tag: str, steps: int, steady_from: int, bf16: bool) -> float:
+    out = work / f"{tag}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-worker", "--steps", str(steps), "--out", str(out)]
+    if bf16:
+        cmd.append("--bf16")
+    _spawn(cmd, _env(tuned=True), work / f"{tag}.log")
+    stamps = json.loads(out.read_text())["step_end_times"]
+    return (len(stamps) - steady_from) * TOKENS_PER_STEP / (stamps[-1] - stamps[steady_from - 1])
+
+
+def plan_peaks(block: int) -> dict[str, float]:
+    """The memory plan's traced micro-batch (activations and temporaries, MB) at 8 x
+    `block`, plain loss and chunked."""
+    from transformers import GPT2Config
+
+    from runner.components.step_trace import Numerics, trace_step
+    from runner.config.spec import ModelSpec
+
+    config = GPT2Config()
+    return {name: trace_step(ModelSpec(chunked_loss=chunked), config, 8, block, "fp32", Numerics.fp32).activation_peak / 2**20
+            for name, chunked in (("plain", False), ("chunked", True))}
+
+
+def compare(args: argparse.Namespace, work: Path) -> None:
+    print(_header(args).replace("n_embd=64 n_layer=2 n_head=2 n_positions=128", "GPT-2 small (124M)")
+          .replace(f"steady state = steps 51..{args.steps}", f"steady state = steps {args.steady_from + 1}..{args.steps}"),
+          flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for tag, (precision, extra) in VARIANTS.items():
+        print(f"runner {tag} ({precision}, {' '.join(extra)}) ...", flush=True)
+        rows[tag] = run_runner(work, tag, args.steps, args.steady_from, precision, extra)
+    trainer = {}
+    for precision in ("fp32", "bf16"):
+        print(f"Trainer {precision} ...", flush=True)
+        trainer[precision] = run_trainer(work, f"trainer_{precision}", args.steps, args.steady_from, precision == "bf16")
+    peaks = {}
+    for tag in ("before", "chunked", "after"):
+        print(f"runner {tag}, profiled for its peak of live tensors ...", flush=True)
+        peaks[tag] = tensor_peak_mb(work, tag, *VARIANTS[tag])
+    plans = plan_peaks(1024)
+
+    print()
+    print(f"{'run':<22} | {'steady tokens/s':>15} | {'MFU':>6} | {'compile (s)':>11} | {'recompilations':>14} | {'peak of tensors (MB)':>20}")
+    print(f"{'-' * 22}-|-{'-' * 15}-|-{'-' * 6}-|-{'-' * 11}-|-{'-' * 14}-|-{'-' * 20}")
+    for tag, r in rows.items():
+        compile_s = "-" if r["compile_seconds"] is None else f"{r['compile_seconds']:.1f}"
+        recompiles = "-" if r["recompilations"] is None else str(r["recompilations"])
+        peak = f"{peaks[tag]:,.0f}" if tag in peaks else "-"
+        print(f"runner {tag:<15} | {r['tokens_per_s']:>15,.0f} | {r['mfu']:>6.3f} | {compile_s:>11} | {recompiles:>14} | {peak:>20}")
+    for precision, tokens in trainer.items():
+        print(f"{'Trainer ' + precision:<22} | {tokens:>15,.0f} | {'':>6} | {'':>11} | {'':>14} | {'':>20}")
+    print(f"(Trainer with runner's host memory settings: {' '.join(f'{k}={v}' for k, v in TUNED_ENV.items())})")
+    print()
+    print(f"memory plan at 8 x 1024 (activations and temporaries of one micro-batch, traced): plain loss "
+          f"{plans['plain']:,.0f} MB, chunked {plans['chunked']:,.0f} MB ({plans['chunked'] / plans['plain']:.2f}x)")
+    print()
+    mfu = rows["after"]["mfu"]
+    fp32 = rows["after"]["tokens_per_s"] / trainer["fp32"]
+    bf16 = rows["after bf16"]["tokens_per_s"] / trainer["bf16"]
+    peak = peaks["after"] / peaks["before"]
+    before_fp32 = rows["before"]["tokens_per_s"] / trainer["fp32"]
+    for line, ok in (
+        (f"runner MFU, fp32: {mfu:.3f} (before: {rows['before']['mfu']:.3f})   target >= {TARGETS['mfu']:.2f}", mfu >= TARGETS["mfu"]),
+        (f"runner / Trainer tokens/s, fp32: {fp32:.2f}x (before: {before_fp32:.2f}x)   target >= {TARGETS['trainer_fp32']}x",
+         fp32 >= TARGETS["trainer_fp32"]),
+        (f"runner / Trainer tokens/s, bf16: {bf16:.2f}x   target >= {TARGETS['trainer_bf16']}x", bf16 >= TARGETS["trainer_bf16"]),
+        (f"peak of live tensors, after / before at 8 x 128: {peak:.2f}x ({peaks['after']:,.0f} / {peaks['before']:,.0f} MB)   "
+         f"target <= {TARGETS['peak']:.2f}x", peak <= TARGETS["peak"]),
+    ):
+        print(f"{line}: {'met' if ok else 'NOT met'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps a measured run (default 30)")
+    parser.add_argument("--steady-from", type=int, default=10, help="steady state starts after this step (default 10)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument("--trainer-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trainer_worker:
+        from trainer_vs_runner import worker_trainer
+
+        worker_trainer(args.steps, args.out, SMALL, args.bf16)
+        return
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        compare(args, args.keep)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
+        compare(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    main()

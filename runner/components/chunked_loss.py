@@ -1,0 +1,246 @@
+"""A causal LM's training loss without its whole logits: the output head and the
+cross-entropy over chunks of tokens, forward and backward.
+
+The plain loss holds (tokens x vocabulary) logits, their log-softmax and, in backward,
+their gradient: 3 x 8 x 1024 x 50,257 x 4 bytes ~ 5 GB for GPT-2 at run_clm's batch.
+Here each chunk's logits live only while that chunk's loss and gradients are computed
+(in forward, by autograd itself, so the numerics are the plain loss's: autocast's casts,
+the fp32 cross-entropy); backward only scales the gradients kept. No matmul is redone.
+
+How it reaches every model and strategy without patching a model class: the output
+head (a plain nn.Linear, found by get_output_embeddings) gets a forward that, when the
+trainer has handed it the micro-batch's labels, returns the summed token loss instead of
+logits, and the model's `loss_function` (transformers' per-instance setter) divides it
+by the trained tokens as transformers' ForCausalLMLoss does. Computing inside the head's
+own call is what keeps the weight available under every strategy: ZeRO-3 gathers it in
+the head's pre-forward hook and again for its backward, FSDP2 holds it with the root's
+unsharded parameters, DDP and ZeRO-2 never shard it. Without labels (evaluation,
+generation), the head is the plain linear layer.
+
+A model whose forward changes the logits between its head and its loss (Gemma-2's
+soft-capping, a logit scale) cannot use it: `install` probes the model's own forward
+and leaves the plain loss in place, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+# Bytes of fp32 logits one chunk may hold (its log-softmax and gradient add two more):
+# 64 MiB is 333 tokens of GPT-2's 50,257-word vocabulary. Large enough that each chunk's
+# matmuls run at full speed (bench/chunked_loss.py), small against any model's states.
+CHUNK_LOGIT_BYTES = 64 << 20
+
+
+def chunk_tokens(vocab_size: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
+    return max(1, budget // (4 * max(vocab_size, 1)))
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """sum over tokens of cross-entropy(hidden @ weight.T + bias, labels), labels already
+    aligned with hidden (IGNORE_INDEX: not trained). Returns (that sum, the per-token
+    losses, not differentiable). The gradients are computed chunk by chunk in forward
+    and scaled in backward: per chunk, the logits' gradient comes from autograd (the
+    fp32 cross-entropy over the logits in their compute dtype, as transformers' loss
+    does), and the two matmuls of the head's backward are written out, the weight's
+    accumulated in place (a chunk adds into one fp32 buffer instead of allocating a
+    vocabulary x width gradient of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                labels: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        wants = ctx.needs_input_grad
+        per_token = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if wants[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
+        any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+        for start in range(0, labels.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            # No test for a chunk without trained tokens: reading it on the host would
+            # wait for the device at every chunk (and a fake tensor has no values).
+            target, h = labels[rows], hidden[rows]
+            logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
+            with torch.enable_grad():
+                logits.requires_grad_(any_grad)
+                losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
+                (g,) = torch.autograd.grad(losses.sum(), logits) if any_grad else (None,)
+            per_token[rows] = losses.detach()
+            del logits, losses
+            if g is None:
+                continue
+            if grad_hidden is not None:
+                grad_hidden[rows] = g @ weight.to(g.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t().float(), h.float())  # float(): a no-op in fp32
+            if grad_bias is not None:
+                grad_bias += g.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight.to(weight.dtype) if grad_weight is not None else torch.empty(0),
+            grad_bias.to(bias.dtype) if grad_bias is not None else torch.empty(0),
+        )
+        ctx.mark_non_differentiable(per_token)
+        return per_token.sum(), per_token
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _grad_per_token: Any) -> tuple[Any, ...]:
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+
+        def scaled(g: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
+            return g * grad_total.to(g.dtype) if wanted and g.numel() else None
+
+        return scaled(grad_hidden, wants[0]), scaled(grad_weight, wants[1]), scaled(grad_bias, wants[2]), None, None
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Token t's target is token t + 1 (the last has none), flattened: transformers'
+    ForCausalLMLoss's alignment."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+
+
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         labels: torch.Tensor, chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, per-token losses) of the head over `hidden` (batch x tokens x width)
+    against unshifted `labels` (batch x tokens), chunk tokens at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return ChunkedHeadLoss.apply(flat, weight, bias, shifted_labels(labels), chunk or chunk_tokens(weight.shape[0]))
+
+
+@dataclass
+class _HeadState:
+    labels: Optional[torch.Tensor] = None
+    total: Optional[torch.Tensor] = None  # what the head returned for the forward in flight
+    chunk: int = 1
+    calls: list[int] = field(default_factory=lambda: [0])  # chunked forwards, for tests
+
+
+class ChunkedLoss:
+    """The chunked loss installed on one model (see the module's docstring)."""
+
+    def __init__(self, model: Any, head: torch.nn.Linear, chunk: int) -> None:
+        self.model, self.head = model, head
+        self.state = _HeadState(chunk=chunk)
+        self._plain_forward = head.forward
+        state = self.state
+
+        def head_forward(module: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+            labels, state.labels = state.labels, None
+            if labels is None:
+                return F.linear(hidden, module.weight, module.bias)
+            if hidden.shape[:-1] != labels.shape:
+                raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
+                                   f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
+            total, _ = chunked_token_losses(hidden, module.weight, module.bias, labels, state.chunk)
+            state.total = total
+            state.calls[0] += 1
+            return total
+
+        def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                          num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX, **kwargs: Any) -> torch.Tensor:
+            total, state.total = state.total, None
+            if total is None or not _same_values(logits, total):
+                raise RuntimeError("chunked loss: the model changed the head's output before its loss (soft-capping or "
+                                   "a logit scale); set model.chunked_loss=false")
+            if num_items_in_batch is None:  # the mean over trained tokens, ForCausalLMLoss's
+                num_items_in_batch = (shifted_labels(labels) != ignore_index).sum()
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(total.device)
+            # `logits`, not `total`: what a strategy's hooks handed on carries their backward (ZeRO-3's gather).
+            return logits / num_items_in_batch
+
+        head.forward = MethodType(head_forward, head)
+        self._had_loss_function = "_loss_function" in vars(model)
+        self._old_loss_function = vars(model).get("_loss_function")
+        model.loss_function = loss_function
+
+    @contextlib.contextmanager
+    def labels(self, labels: torch.Tensor) -> Iterator[None]:
+        """Within: the model's next forward with these labels computes its loss chunked."""
+        self.state.labels = labels
+        try:
+            yield
+        finally:
+            self.state.labels = self.state.total = None
+
+    def remove(self) -> None:
+        self.head.forward = self._plain_forward
+        if self._had_loss_function:
+            self.model.loss_function = self._old_loss_function
+        else:
+            vars(self.model).pop("_loss_function", None)
+
+
+def _same_values(received: torch.Tensor, returned: torch.Tensor) -> bool:
+    """`received` is the head's output or a view of it: DeepSpeed ZeRO-3 hands a module's
+    outputs on detached, through its backward hook. Soft-capping or scaling makes a new
+    tensor. (A fake tensor, in the memory plan's trace, has no data pointer: there is
+    no wrapper there.)"""
+    if received is returned:
+        return True
+    try:
+        return received.data_ptr() == returned.data_ptr() and received.shape == returned.shape
+    except RuntimeError:
+        return False
+
+
+def transformers_model(model: Any) -> Any:
+    """The transformers model under peft's wrappers."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def why_not(model: Any) -> Optional[str]:
+    """Why the chunked loss cannot be installed on `model` (None: it can)."""
+    base = transformers_model(model)
+    if not hasattr(type(base), "loss_function"):
+        return f"{type(base).__name__} has no transformers loss_function to replace"
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        return f"{type(base).__name__} names no output head (get_output_embeddings)"
+    if type(head) is not torch.nn.Linear:
+        return f"its output head is a {type(head).__name__}, not a plain Linear (adapters or a custom head)"
+    return None
+
+
+def install(model: Any, probe: bool = True) -> tuple[Optional[ChunkedLoss], Optional[str]]:
+    """Install the chunked loss on `model` (bare or under peft). Returns (it, None), or
+    (None, the reason it is not used). `probe`: run the model's forward once on two
+    tokens to see that its loss comes from the head's output unchanged."""
+    reason = why_not(model)
+    if reason is not None:
+        return None, reason
+    base = transformers_model(model)
+    head = base.get_output_embeddings()
+    chunked = ChunkedLoss(base, head, chunk_tokens(head.weight.shape[0]))
+    if probe:
+        reason = _probe(model, chunked)
+        if reason is not None:
+            chunked.remove()
+            return None, reason
+    return chunked, None
+
+
+def _probe(model: Any, chunked: ChunkedLoss) -> Optional[str]:
+    ids = torch.zeros(1, 2, dtype=torch.long, device=chunked.head.weight.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), chunked.labels(ids):
+            model(input_ids=ids, labels=ids, use_cache=False)
+    except RuntimeError as err:
+        if "chunked loss:" in str(err):
+            return str(err).split("chunked loss: ", 1)[1].split(";")[0]
+        raise
+    finally:
+        model.train(was_training)
+    return None
