@@ -21,6 +21,11 @@ the matmul peak it probes).
 
     python bench/step_profile.py                  # ~2 minutes on 2 CPU cores
     python bench/step_profile.py --batch 8 --block 1024 --steps 3
+    python bench/step_profile.py --chunked-loss   # the head and loss as runner computes them by default
+
+With --chunked-loss (runner/components/chunked_loss.py, model.chunked_loss's default)
+the LM head's forward computes the loss and the head's gradients chunk by chunk, so its
+"forward" holds what the plain path does in the loss and in backward.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--chunked-loss", action="store_true", help="runner's chunked head and loss (its default)")
     args = parser.parse_args()
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -93,11 +99,21 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     clock = Clock(model)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.block))
+    chunked = None
+    if args.chunked_loss:
+        from runner.components.chunked_loss import install
+
+        chunked, why = install(model)
+        assert chunked is not None, why
 
     def step() -> dict[str, float]:
         clock.seconds.clear()
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        if chunked is not None:
+            with chunked.labels(ids):
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -125,7 +141,7 @@ def main() -> None:
     tokens = args.batch * args.block
     flops = model_flops_per_token(config, n_params, args.block) * tokens
     peak = peak_flops(torch.device("cpu"), "fp32")
-    print(f"GPT-2 124M ({n_params / 1e6:.1f}M parameters), fp32, batch {args.batch} x {args.block}, "
+    print(f"GPT-2 124M ({n_params / 1e6:.1f}M parameters), fp32, {'chunked' if chunked else 'plain'} loss, batch {args.batch} x {args.block}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; median of {args.steps} steps")
     print()
     print("| part | ms / step | share |")

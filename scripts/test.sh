@@ -39,6 +39,7 @@ fi
 # Both tiers run even when the first fails; the cluster tier alone, because under the
 # other tests' load its two-host run lost a worker once.
 status=0
-python -m pytest -m "unit or e2e or multiprocess" -n 2 || status=$?
+# loadgroup: each module of training runs on one worker (tests/conftest.py), its shared runs built once.
+python -m pytest -m "unit or e2e or multiprocess" -n 2 --dist loadgroup || status=$?
 python -m pytest -m cluster || status=$?
 exit "$status"

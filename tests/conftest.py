@@ -155,10 +155,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
         elif len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
-        # Under `-n N --dist loadgroup` the cluster tier stays on one worker: its session
-        # fixture brings up the one Slurm cluster this machine can hold. (CI runs it alone.)
+        # Under `-n N --dist loadgroup` (scripts/test.sh) the cluster tier stays on one
+        # worker: its session fixture brings up the one Slurm cluster this machine can hold
+        # (CI runs it alone). A module of training runs stays on one worker too: its
+        # module-scoped fixtures (the runs its tests read) would otherwise be built once on
+        # each worker its tests land on. Unit tests go wherever a worker is free.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif not item.get_closest_marker("unit"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def _tier(item: pytest.Item) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Optional
 
@@ -121,7 +121,6 @@ class _HeadState:
     labels: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # what the head returned for the forward in flight
     chunk: int = 1
-    calls: list[int] = field(default_factory=lambda: [0])  # chunked forwards, for tests
 
 
 class ChunkedLoss:
@@ -142,7 +141,6 @@ class ChunkedLoss:
                                    f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
             total, _ = chunked_token_losses(hidden, module.weight, module.bias, labels, state.chunk)
             state.total = total
-            state.calls[0] += 1
             return total
 
         def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,

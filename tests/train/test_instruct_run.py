@@ -94,7 +94,7 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     data = prepare(spec.data, tokenizer, 256)
     loader = DataLoader(data.validation, batch_size=4, collate_fn=collate_for(spec.data, data.pad_id))
     holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader,
-                             strategy=SimpleNamespace(after_evaluation=lambda model: None))
+                             strategy=SimpleNamespace(after_evaluation=lambda model: None), compiled=False)
     return Trainer.evaluate(holder)  # type: ignore[arg-type]
 
 

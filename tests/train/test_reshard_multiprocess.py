@@ -5,7 +5,8 @@ of an uninterrupted run, at every step, past the epoch boundary (step 8).
 Cheap by construction: each source run is a whole 12-step run that keeps its
 checkpoints, so it is also an uninterrupted run; the resumes read its checkpoints into
 new folders. All are compared with one reference, 1 process x 8 under ddp (strategies
-agree within these tolerances in fp32: `runner certify`)."""
+agree within these tolerances in fp32: `runner certify`). The sources, then the resumes,
+run in turn on one launch of workers per number of processes (tests/in_turn.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MICRO
+from in_turn import run_in_turn
 from runner.report.parity import parity_problems, step_records
 from test_checkpoint import kill_9_after_checkpoint
 
@@ -52,12 +54,23 @@ SOURCES = {  # name: (layout, save_every)
 }
 
 
+def in_turn_by_processes(root: Path, runs: dict[str, list[str]]) -> dict[str, Path]:
+    """`runs` (name: overrides after RUN), one launch for each number of processes."""
+    folders: dict[str, Path] = {}
+    for nproc in sorted({_processes(o) for o in runs.values()}):
+        group = {n: [*RUN, *o] for n, o in runs.items() if _processes(o) == nproc}
+        folders.update(run_in_turn(root / f"nproc{nproc}", group, timeout=1800))
+    return folders
+
+
+def _processes(overrides: list[str]) -> str:
+    return next(o for o in overrides if o.startswith("launch.nproc_per_node="))
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("reshard_sources")
-    for name, (settings, every) in SOURCES.items():
-        run(root / name, *settings, f"train.save_every={every}")
-    return {name: root / name for name in SOURCES}
+    return in_turn_by_processes(tmp_path_factory.mktemp("reshard_sources"),
+                                {name: [*settings, f"train.save_every={every}"] for name, (settings, every) in SOURCES.items()})
 
 
 CASES = [  # (source, checkpoint step, layout resumed in)
@@ -73,15 +86,26 @@ CASES = [  # (source, checkpoint step, layout resumed in)
 ]
 
 
-@pytest.mark.parametrize("source, step, resumed_in", CASES,
-                         ids=[f"{s}@{k}->{' '.join(l[:2])}" for s, k, l in CASES])
-def test_a_checkpoint_continues_in_another_layout_or_strategy(sources, tmp_path, source, step, resumed_in):
-    done = run(tmp_path / "resumed", *resumed_in, f"resume={sources[source] / 'checkpoints' / f'step_{step}'}")
-    assert "reshard.py" in done.stderr  # read across, not by Accelerate's load_state
+CASE_IDS = [f"{s}@{k}->{' '.join(l[:2])}" for s, k, l in CASES]
+
+
+@pytest.fixture(scope="module")
+def resumes(sources, tmp_path_factory) -> dict[str, Path]:
+    """Every case's resume, in turn."""
+    return in_turn_by_processes(tmp_path_factory.mktemp("reshard_resumes"), {
+        f"case{i}": [*resumed_in, f"resume={sources[source] / 'checkpoints' / f'step_{step}'}"]
+        for i, (source, step, resumed_in) in enumerate(CASES)})
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+def test_a_checkpoint_continues_in_another_layout_or_strategy(sources, resumes, case):
+    source, step, resumed_in = CASES[case]
+    log = (resumes[f"case{case}"] / "run.log").read_text()
+    assert "reshard.py" in log  # read across, not by Accelerate's load_state
     changed = resumed_in[0] != f"strategy={source.split('-')[0]}"
-    assert ("note: the strategy changed" in done.stderr) is changed  # within rounding, not bit for bit
+    assert ("note: the strategy changed" in log) is changed  # within rounding, not bit for bit
     reference = step_records(sources["ddp-1"] / "metrics.jsonl")
-    resumed = step_records(tmp_path / "resumed" / "metrics.jsonl")
+    resumed = step_records(resumes[f"case{case}"] / "metrics.jsonl")
     assert sorted(resumed) == list(range(step + 1, 13))
     assert parity_problems({s: reference[s] for s in resumed}, resumed) == []
     assert parity_problems(reference, step_records(sources[source] / "metrics.jsonl")) == []  # the source itself
