@@ -31,6 +31,7 @@ def main(runs_file: str) -> None:
 
 def run_in_turn(root: Path, runs: dict[str, list[str]], timeout: float) -> dict[str, Path]:
     """Run `runs` (name: overrides) in turn on one launch; their folders, by name."""
+    root.mkdir(parents=True, exist_ok=True)
     folders = {name: root / name for name in runs}
     spec = root / "runs.json"
     spec.write_text(json.dumps([{"run_dir": str(folders[n]), "overrides": o} for n, o in runs.items()]))

@@ -64,7 +64,7 @@ def in_turn_by_processes(root: Path, runs: dict[str, list[str]]) -> dict[str, Pa
 
 
 def _processes(overrides: list[str]) -> str:
-    return next(o for o in overrides if o.startswith("launch.nproc_per_node="))
+    return next(o for o in overrides if o.startswith("launch.nproc_per_node=")).split("=", 1)[1]
 
 
 @pytest.fixture(scope="module")
