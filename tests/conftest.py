@@ -157,13 +157,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid} has tiers {tiers}: give it the one it costs")
         # Under `-n N --dist loadgroup` (scripts/test.sh) the cluster tier stays on one
         # worker: its session fixture brings up the one Slurm cluster this machine can hold
-        # (CI runs it alone). A module of training runs stays on one worker too: its
-        # module-scoped fixtures (the runs its tests read) would otherwise be built once on
-        # each worker its tests land on. Unit tests go wherever a worker is free.
+        # (CI runs it alone). The training tests that share a module-scoped fixture (runs
+        # their tests read) stay on one worker too, or it would be built on each worker
+        # they land on. Every other test goes wherever a worker is free.
         if item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif not item.get_closest_marker("unit"):
+        elif not item.get_closest_marker("unit") and _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 def _tier(item: pytest.Item) -> str:
