@@ -97,7 +97,7 @@ def plan_peaks(block: int) -> dict[str, float]:
 
 
 def compare(args: argparse.Namespace, work: Path) -> None:
-    print(_header(args).replace("n_embd=64 n_layer=2 n_head=2 n_positions=128", "GPT-2 small (124M)")
+    print(_header(args).replace("GPT-2 n_embd=64 n_layer=2 n_head=2 n_positions=128", "GPT-2 small (124M)")
           .replace(f"steady state = steps 51..{args.steps}", f"steady state = steps {args.steady_from + 1}..{args.steps}"),
           flush=True)
     rows: dict[str, dict[str, Any]] = {}
