@@ -34,7 +34,8 @@ def compile_layers(model: torch.nn.Module, layer_classes: Sequence[str]) -> int:
     # dynamo's recompile limit (8 a function, then it runs eagerly) and its statistics.
     torch._dynamo.reset()
     set_compilation_metrics_limit(_METRICS_KEPT)
-    layers = [m for m in model.modules() if type(m).__name__ in set(layer_classes)]
+    names = set(layer_classes)
+    layers = [m for m in model.modules() if type(m).__name__ in names]
     for layer in layers:
         layer.compile(backend="inductor")
     return len(layers)

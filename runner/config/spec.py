@@ -101,7 +101,8 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about 30% more compute."""
     compile: bool = False
-    """Wrap the model in torch.compile (first steps are slow while it compiles)."""
+    """Compile each transformer layer in place with torch.compile (inductor), under every
+    strategy; compile time and recompilations are reported apart from the steps."""
     chunked_loss: bool = True
     """Compute the output head and the loss over chunks of tokens, never holding the whole
     (tokens x vocabulary) logits: same loss and gradients (runner/components/chunked_loss.py).

@@ -231,19 +231,16 @@ class Trainer:
         if self._loop_started is not None:
             self._loop_elsewhere += seconds
 
-    def _count_compile(self, part: Optional[str] = None) -> float:
+    def _count_compile(self) -> float:
         """Compile seconds since the last count, moved into the ledger's `compile` part
-        (taken out of `part`, which timed them, or else out of the loop's steps)."""
+        (out of the loop's steps; a caller that timed them itself subtracts the return)."""
         if not self.compiled:
             return 0.0
         now = compile_stats()
-        seconds, self._compile_seen = now.seconds - self._compile_seen.seconds, now
-        if seconds > 0:
-            if part is None:
-                self._elsewhere("compile", seconds)
-            else:
-                self.ledger.add("compile", seconds)
-        return max(seconds, 0.0)
+        seconds, self._compile_seen = max(now.seconds - self._compile_seen.seconds, 0.0), now
+        if seconds:
+            self._elsewhere("compile", seconds)
+        return seconds
 
     def compile_results(self) -> dict[str, Any]:
         """all_results.json's account of model.compile: its time apart from the steps', the
@@ -451,7 +448,7 @@ class Trainer:
             items, micro = batch.pop("num_items_in_batch", None), batch.pop("window_micro_batches", None)
             if items is None:
                 with self._loss_over_chunks(batch):
-                    loss = logged = self.model(**model_inputs(batch, labels=True, cache=not self.compiled)).loss
+                    loss = logged = self.model(**self._inputs(batch, labels=True)).loss
             else:
                 # transformers' loss: this micro-batch's token losses summed, over the step's
                 # trained tokens on all ranks. Backward averages over ranks (DDP, ZeRO,
@@ -459,7 +456,7 @@ class Trainer:
                 # so the step's gradient is that of the sum over all its tokens / their number.
                 # The log averages over ranks and the window's micro-batches.
                 with self._loss_over_chunks(batch):
-                    share = self.model(**model_inputs(batch, labels=True, cache=not self.compiled), num_items_in_batch=items).loss
+                    share = self.model(**self._inputs(batch, labels=True), num_items_in_batch=items).loss
                 loss = share * (acc.num_processes * self.plan.grad_accum_steps)
                 logged = share * (acc.num_processes * micro)
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
@@ -505,6 +502,10 @@ class Trainer:
     def _last_good(self) -> str:
         last = self.last_checkpoint or latest_checkpoint(self.run_dir)
         return f"the last good checkpoint is {last}" if last else "there is no checkpoint yet"
+
+    def _inputs(self, batch: dict[str, Any], labels: bool = False) -> dict[str, Any]:
+        """The forward's arguments; no KV cache when the layers are compiled (model_inputs)."""
+        return model_inputs(batch, labels=labels, cache=not self.compiled)
 
     def _loss_over_chunks(self, batch: dict[str, Any]) -> Any:
         """The next forward's head and loss chunked (runner/components/chunked_loss.py),
@@ -651,10 +652,8 @@ class Trainer:
     def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
         started = time.perf_counter()
         results = self.evaluate()
-        compiling = self._count_compile("evaluation")  # its first batch compiles the no-grad graphs
+        compiling = self._count_compile()  # its first batch compiles the no-grad graphs
         self._elsewhere("evaluation", time.perf_counter() - started - compiling)
-        if self._loop_started is not None:
-            self._loop_elsewhere += compiling
         if results:
             self.state.last_eval = results
             self.metrics.write({"step": self.state.step, **{k: results[k] for k in ("eval_loss", "perplexity", "eval_accuracy")}})
