@@ -33,7 +33,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from runner.components import liger_loss
 from runner.components.instruct import IGNORE_INDEX
+from runner.components.liger_loss import HeadLoss
 
 # Bytes of fp32 logits one chunk may hold (its log-softmax and gradient add two more):
 # 64 MiB is 333 tokens of GPT-2's 50,257-word vocabulary. Large enough that the chunks'
@@ -124,14 +126,16 @@ class _HeadState:
     labels: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # what the head returned for the forward in flight
     chunk: int = 1
+    fused: Optional[HeadLoss] = None  # Liger's kernel, for hidden states on a GPU (runner/components/liger_loss.py)
 
 
 class ChunkedLoss:
     """The chunked loss installed on one model (see the module's docstring)."""
 
-    def __init__(self, model: Any, head: torch.nn.Linear, chunk: int) -> None:
-        self.model, self.head = model, head
-        self.state = _HeadState(chunk=chunk)
+    def __init__(self, model: Any, head: torch.nn.Linear, chunk: int, fused: Optional[HeadLoss] = None,
+                 kernel: str = "runner's chunks") -> None:
+        self.model, self.head, self.kernel = model, head, kernel
+        self.state = _HeadState(chunk=chunk, fused=fused)
         self._plain_forward = head.forward
         state = self.state
 
@@ -142,7 +146,11 @@ class ChunkedLoss:
             if hidden.shape[:-1] != labels.shape:
                 raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
                                    f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
-            total, _ = chunked_token_losses(hidden, module.weight, module.bias, labels, state.chunk)
+            if state.fused is not None and liger_loss.runs_on(hidden):
+                total = state.fused(hidden.reshape(-1, hidden.shape[-1]), module.weight, module.bias,
+                                    shifted_labels(labels))
+            else:
+                total, _ = chunked_token_losses(hidden, module.weight, module.bias, labels, state.chunk)
             state.total = total
             return total
 
@@ -213,16 +221,21 @@ def why_not(model: Any) -> Optional[str]:
     return None
 
 
-def install(model: Any, probe: bool = True) -> tuple[Optional[ChunkedLoss], Optional[str]]:
+def install(model: Any, probe: bool = True, gpu_kernel: bool = False) -> tuple[Optional[ChunkedLoss], Optional[str]]:
     """Install the chunked loss on `model` (bare or under peft). Returns (it, None), or
     (None, the reason it is not used). `probe`: run the model's forward once on two
-    tokens to see that its loss comes from the head's output unchanged."""
+    tokens to see that its loss comes from the head's output unchanged. `gpu_kernel`:
+    on a GPU, Liger's fused kernel computes the sum when liger-kernel is installed
+    (`kernel` names what runs; the memory plan's trace keeps runner's chunks)."""
     reason = why_not(model)
     if reason is not None:
         return None, reason
     base = transformers_model(model)
     head = base.get_output_embeddings()
-    chunked = ChunkedLoss(base, head, chunk_tokens(head.weight.shape[0]))
+    fused, what = liger_loss.liger_head_loss() if gpu_kernel else (None, "")
+    chunk = chunk_tokens(head.weight.shape[0])
+    kernel = f"{what} on the GPU" if fused is not None else f"runner's chunks of {chunk:,} tokens"
+    chunked = ChunkedLoss(base, head, chunk, fused, kernel)
     if probe:
         reason = _probe(model, chunked)
         if reason is not None:

@@ -106,8 +106,9 @@ class ModelSpec:
     chunked_loss: bool = True
     """Compute the output head and the loss over chunks of tokens, never holding the whole
     (tokens x vocabulary) logits: same loss and gradients (runner/components/chunked_loss.py).
-    Left off, with the reason said, for a model whose forward changes its logits before
-    the loss or whose head is not a plain linear layer."""
+    On a GPU with liger-kernel installed (`pip install "runner[liger]"`), Liger's fused
+    linear cross-entropy computes it. Left off, with the reason said, for a model whose
+    forward changes its logits before the loss or whose head is not a plain linear layer."""
     attn_implementation: Optional[AttnImplementation] = None
     """eager | sdpa. null: transformers' default for the model."""
 

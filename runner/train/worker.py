@@ -37,6 +37,7 @@ from runner.components.adapters import ADAPTER_DIRNAME, adapter_dropout, add_ada
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import compile_layers
 from runner.components.chunked_loss import install as install_chunked_loss
+from runner.components.liger_loss import gpu_present
 from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, PreparedData, collate, collate_for, resolve_block_size
 from runner.components.data import prepare as prepare_data
@@ -204,10 +205,12 @@ def build_seeded_model(spec: RunSpec) -> Built:
     model = build_model(spec.model, config, len(tokenizer))
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
-    chunked, why_not = install_chunked_loss(model) if spec.model.chunked_loss else (None, "model.chunked_loss=false")
+    chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss
+                        else (None, "model.chunked_loss=false"))
     if chunked is not None:
-        note = (f"output head and loss over chunks of {chunked.state.chunk:,} tokens (model.chunked_loss): "
-                "the whole logits are never held")
+        note = f"output head and loss by {chunked.kernel} (model.chunked_loss): the whole logits are never held"
+        if chunked.state.fused is None and gpu_present():
+            note += '; pip install "runner[liger]" for Liger\'s fused kernel'
     else:
         note = f"plain (the whole logits at once): {why_not}"
     return Built(tokenizer, config, model, chunked, note)

@@ -67,3 +67,20 @@ def test_loaders_pin_host_memory_on_a_gpu(compose_spec, monkeypatch, cuda):
     loaders = make_loaders(compose_spec("recipe=gpt2_clm_tiny"), data)
     train, evaluation = loaders.train, loaders.evaluation
     assert train.pin_memory is cuda and evaluation.pin_memory is cuda
+
+
+@pytest.mark.parametrize("machine", ["cpu", "gpu without liger", "gpu with liger"])
+def test_the_banner_names_the_loss_kernel_and_how_to_get_liger(compose_spec, monkeypatch, machine):
+    from runner.components import liger_loss
+    from runner.train import worker
+
+    gpu = machine != "cpu"
+    monkeypatch.setattr(liger_loss, "gpu_present", lambda: gpu)
+    monkeypatch.setattr(worker, "gpu_present", lambda: gpu)
+    if machine == "gpu without liger":
+        monkeypatch.setattr(liger_loss, "liger_version", lambda: None)
+    built = worker.build_seeded_model(compose_spec("recipe=gpt2_clm_tiny"))
+    kernel = {"cpu": "runner's chunks of 333 tokens", "gpu without liger": "runner's chunks of 333 tokens",
+              "gpu with liger": "Liger's fused linear cross-entropy (liger-kernel "}[machine]
+    assert built.loss_note.startswith(f"output head and loss by {kernel}")
+    assert ('pip install "runner[liger]"' in built.loss_note) is (machine == "gpu without liger")
