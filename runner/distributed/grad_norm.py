@@ -42,11 +42,13 @@ def clip_and_norm(params: list[Any], max_grad_norm: float) -> torch.Tensor:
     return total
 
 
-# Elements of one gradient cast to float64 at a time. torch's vector_norm(dtype=float64)
-# casts its whole input first: on GPT-2's 38.6M-element embedding gradient that is a
-# 295 MB copy at the step's memory peak, on a GPU as on a CPU. Chunks of 4M (32 MB) keep
-# the exact sum at a few kernels per large gradient.
-NORM_CHUNK_ELEMENTS = 1 << 22
+# Elements of one gradient cast to float64 at a time, into one buffer reused for every
+# chunk. torch's vector_norm(dtype=float64) casts its whole input first: on GPT-2's
+# 38.6M-element embedding gradient that is a 295 MB copy at the step's memory peak, on a
+# GPU as on a CPU. A new float64 tensor per chunk cost more than the sums themselves on a
+# CPU under launch.retain_freed_memory=false: each a fresh mmap, a page fault per 4 KiB
+# touched (runner/train/host_memory.py; GPT-2 124M: 337 ms, now 83; bench/grad_norm.py).
+NORM_CHUNK_ELEMENTS = 1 << 20
 
 
 def grad_norm(grads: list[Any]) -> Any:
@@ -61,7 +63,9 @@ def grad_norm(grads: list[Any]) -> Any:
     squares = []
     for (mesh, placements), group in by_layout.items():
         local = [g.to_local() if mesh is not None else g for g in group]
-        total = torch.stack([_sum_of_squares(g) for g in local]).sum()
+        buffer = torch.empty(min(NORM_CHUNK_ELEMENTS, max(g.numel() for g in local)), dtype=torch.float64,
+                             device=local[0].device)
+        total = torch.stack([_sum_of_squares(g, buffer) for g in local]).sum()
         if mesh is not None:  # each rank summed its own shard: add them up over the sharded mesh dims
             partial = [Partial("sum") if p.is_shard() else Replicate() for p in placements]
             total = DTensor.from_local(total, mesh, partial).full_tensor()
@@ -69,9 +73,14 @@ def grad_norm(grads: list[Any]) -> Any:
     return torch.stack(squares).sum().sqrt()
 
 
-def _sum_of_squares(g: Any) -> Any:
-    """The sum of `g`'s squares in float64, cast a bounded chunk at a time."""
+def _sum_of_squares(g: Any, buffer: torch.Tensor) -> Any:
+    """The sum of `g`'s squares in float64, a chunk at a time cast into `buffer`."""
     flat = g.reshape(-1)
-    chunks = flat.split(NORM_CHUNK_ELEMENTS) if flat.numel() else [flat]
-    return torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64).square() for c in chunks]).sum()
-
+    if not flat.numel():
+        return torch.zeros((), dtype=torch.float64, device=buffer.device)
+    sums = []
+    for chunk in flat.split(buffer.numel()):
+        cast = buffer[: chunk.numel()]
+        cast.copy_(chunk)
+        sums.append(torch.linalg.vector_norm(cast).square())
+    return torch.stack(sums).sum()
