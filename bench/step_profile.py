@@ -12,6 +12,7 @@ step and its share:
   (the cross-entropy, the forward's remainder);
 - backward, as one (`loss.backward()`), and split the same way by backward hooks where
   the modules give them;
+- the gradient norm and clipping to 1.0, runner's (float64 sums, runner/distributed/grad_norm.py);
 - the optimizer step (fused AdamW) and zero_grad;
 - host overhead: the step's wall time less all of the above.
 
@@ -89,6 +90,7 @@ def main() -> None:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from runner.distributed.grad_norm import clip_and_norm
     from runner.report.flops import model_flops_per_token, peak_flops
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -97,6 +99,7 @@ def main() -> None:
     config = GPT2Config()
     model = GPT2LMHeadModel(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]
     clock = Clock(model)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.block))
     chunked = None
@@ -117,6 +120,8 @@ def main() -> None:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        clip_and_norm(params, 1.0)
+        t_clip = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -125,7 +130,8 @@ def main() -> None:
         backward_parts = sum(v for k, v in parts.items() if k.startswith("backward"))
         parts["forward: loss and the rest"] = (t1 - t0) - forward_parts
         parts["backward: the rest (loss, embeddings' scatter, joins)"] = (t2 - t1) - backward_parts
-        parts["optimizer (fused AdamW) + zero_grad"] = t3 - t2
+        parts["gradient norm and clipping (runner's, float64)"] = t_clip - t2
+        parts["optimizer (fused AdamW) + zero_grad"] = t3 - t_clip
         parts["step"] = t3 - t0
         return parts
 

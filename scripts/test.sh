@@ -12,8 +12,8 @@
 # - the project, editable, with its dev extras; then deepspeed (its sdist imports torch
 #   while building, hence --no-build-isolation, after torch);
 # - for the cluster tier, as root where apt-get exists, the Debian packages of
-#   scripts/test-cluster.sh when any is missing. Elsewhere (not root, not Debian) the
-#   cluster tests skip, naming what to install.
+#   scripts/test-cluster.sh when any is missing, in the background while the other tiers
+#   run. Elsewhere (not root, not Debian) the cluster tests skip, naming what to install.
 # Exits non-zero if any tier fails (pytest's exit 5, no tests collected, counts as failing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,14 +24,19 @@ case "${1:-all}" in
     *) echo "usage: $0 [all|unit]" >&2; exit 2 ;;
 esac
 
+# The cluster tier runs last: its Debian packages install in the background meanwhile
+# (apt and dpkg beside pip and the other tiers), and it waits for them.
+cluster_install=""
+if [ "$tiers" = all ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    cluster_log=$(mktemp)
+    scripts/test-cluster.sh install >"$cluster_log" 2>&1 &
+    cluster_install=$!
+fi
 python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' ||
     python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[dev]"
 python -m pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
-if [ "$tiers" = all ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    scripts/test-cluster.sh install
-fi
-python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|accelerate|deepspeed|hydra-core|omegaconf) '
+python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|accelerate|deepspeed|hydra-core|omegaconf|liger-kernel) '
 
 if [ "$tiers" = unit ]; then
     exec python -m pytest -m unit
@@ -41,5 +46,9 @@ fi
 status=0
 # loadgroup: each module of training runs on one worker (tests/conftest.py), its shared runs built once.
 python -m pytest -m "unit or e2e or multiprocess" -n 2 --dist loadgroup || status=$?
+if [ -n "$cluster_install" ]; then
+    wait "$cluster_install" || { cat "$cluster_log" >&2; echo "scripts/test-cluster.sh install failed" >&2; status=1; }
+    rm -f "$cluster_log"
+fi
 python -m pytest -m cluster || status=$?
 exit "$status"
