@@ -166,6 +166,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
+def refuse_a_loadgroup_that_cannot_group(config: pytest.Config) -> None:
+    """--dist loadgroup (scripts/test.sh) groups a test by appending its group to its node
+    id on the worker, which pytest 9.2 no longer takes (pytest-dev/pytest-xdist#1386).
+    Nothing fails then: every test is scheduled alone and each shared fixture is built on
+    both workers (a fresh clone with pytest 9.2.0: tests/test_compile.py's runs built
+    twice, 142 and 139 s; so were the other training modules'). Refuse to start instead.
+    pyproject.toml's dev extras keep pytest below 9.2."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    pytest_version = tuple(int(part) for part in pytest.__version__.split(".")[:2] if part.isdigit())
+    xdist_version = version("pytest-xdist")
+    if pytest_version >= (9, 2) and xdist_version.startswith(("3.8.", "3.7.", "3.6.", "3.5.")):
+        raise pytest.UsageError(
+            f"pytest-xdist {xdist_version} does not group tests under pytest {pytest.__version__} "
+            "(pytest-dev/pytest-xdist#1386), so --dist loadgroup would build each shared fixture on "
+            "every worker: pip install -e '.[dev]' (pytest<9.2)")
+
+
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
@@ -204,6 +224,7 @@ def _costlier(*tiers: str) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     """Wrap what starts processes or trains, once for the session, noting it on the
     innermost active guard."""
+    refuse_a_loadgroup_that_cannot_group(config)
     import runner.train.worker as worker
 
     popen_init, process_start, train = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start, worker.train
