@@ -15,21 +15,14 @@ module with its kernel replaced by the same computation in torch.
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any, Callable, Optional
 
 import torch
 
 from runner.components.instruct import IGNORE_INDEX
+from runner.distributed.patches import installed_version
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
-
-
-def liger_version() -> Optional[str]:
-    try:
-        return importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def gpu_present() -> bool:
@@ -44,7 +37,7 @@ def runs_on(hidden: torch.Tensor) -> bool:
 def liger_head_loss() -> tuple[Optional[HeadLoss], str]:
     """(Liger's summed head loss as (flat hidden, weight, bias, flat aligned labels) ->
     0-d loss, what it is) on a machine with a GPU and liger-kernel; else (None, why not)."""
-    version = liger_version()
+    version = installed_version("liger-kernel")
     if version is None:
         return None, "liger-kernel is not installed"
     if not gpu_present():

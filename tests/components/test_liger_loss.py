@@ -103,7 +103,7 @@ def test_hidden_states_off_the_gpu_take_runners_chunks(on_a_gpu, monkeypatch):
 
 def test_liger_is_used_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(liger_loss, "gpu_present", lambda: False)
-    assert liger_loss.liger_head_loss() == (None, f"liger-kernel {liger_loss.liger_version()} installed, but no GPU")
+    assert liger_loss.liger_head_loss() == (None, f"liger-kernel {liger_loss.installed_version('liger-kernel')} installed, but no GPU")
     model = tiny("gpt2")
     chunked, _ = install(model, gpu_kernel=True)
     assert chunked.state.fused is None and chunked.kernel == "runner's chunks of 333 tokens"
@@ -112,5 +112,5 @@ def test_liger_is_used_only_where_it_can_run(monkeypatch):
     chunked, _ = install(model)  # the memory plan's trace: runner's chunks even on a GPU with Liger
     assert chunked.state.fused is None
     chunked.remove()
-    monkeypatch.setattr(liger_loss, "liger_version", lambda: None)
+    monkeypatch.setattr(liger_loss, "installed_version", lambda library: None)
     assert liger_loss.liger_head_loss() == (None, "liger-kernel is not installed")

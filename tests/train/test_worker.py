@@ -78,7 +78,7 @@ def test_the_banner_names_the_loss_kernel_and_how_to_get_liger(compose_spec, mon
     monkeypatch.setattr(liger_loss, "gpu_present", lambda: gpu)
     monkeypatch.setattr(worker, "gpu_present", lambda: gpu)
     if machine == "gpu without liger":
-        monkeypatch.setattr(liger_loss, "liger_version", lambda: None)
+        monkeypatch.setattr(liger_loss, "installed_version", lambda library: None)
     built = worker.build_seeded_model(compose_spec("recipe=gpt2_clm_tiny"))
     kernel = {"cpu": "runner's chunks of 333 tokens", "gpu without liger": "runner's chunks of 333 tokens",
               "gpu with liger": "Liger's fused linear cross-entropy (liger-kernel "}[machine]
