@@ -22,12 +22,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]
 
 CONFIGS = Path(__file__).parent / "launch" / "data" / "accelerate_configs"
 # 13 eval blocks: 2 ranks x eval batch 4 pad the last batch, which gather_for_metrics must drop.
-# 32 training blocks at a global batch of 8 make 4 steps an epoch: 12 steps cross two
-# epoch boundaries (new shuffles, loaders restarted). Dropout is off (MICRO).
+# 26 training blocks at a global batch of 8 make 4 steps an epoch, the last of 2 blocks:
+# under 2 x 4 rank 0's batch is half fillers and rank 1's all (runner/components/
+# epoch_batches.py), under 2 x 2 x 2 rank 1's last micro-batch is, and one process's last
+# accumulation window is one micro-batch. 12 steps cross two epoch boundaries (new
+# shuffles, loaders restarted). Dropout is off (MICRO).
 STEPS = 12
 BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.eval_every", "data.max_eval_samples",
                                              "data.max_train_samples", "train.max_steps"))] + [
-    "train.eval_every=0", "data.max_eval_samples=13", "data.max_train_samples=32", f"train.max_steps={STEPS}",
+    "train.eval_every=0", "data.max_eval_samples=13", "data.max_train_samples=26", f"train.max_steps={STEPS}",
 ]
 LAYOUTS = {
     "single_8": ["train.per_device_batch_size=8"],

@@ -52,11 +52,12 @@ PRECISIONS = ("fp32", "bf16")
 STEPS = 12
 CUT = 7  # an odd step, mid-epoch (5 steps an epoch)
 NPROC = 2
-# 40 blocks of 32 tokens at a global batch of 8: 5 steps an epoch, so 12 steps cross two
-# epoch boundaries; the first leg's checkpoint (step 7) sits mid-epoch. A constant rate
+# 34 blocks of 32 tokens at a global batch of 8: 5 steps an epoch, the last of 2 blocks
+# (at 2 x 4, rank 0's batch half fillers and rank 1's all: runner/components/epoch_batches.py),
+# so 12 steps cross two epoch boundaries; the first leg's checkpoint (step 7) sits mid-epoch. A constant rate
 # after warm-up: the first leg, planned for 7 steps, then takes the rates of the 12-step
 # reference (a decaying schedule is planned over max_steps).
-COMMON = ("recipe=gpt2_clm_tiny", "name=certify", "data.block_size=32", "data.max_train_samples=40",
+COMMON = ("recipe=gpt2_clm_tiny", "name=certify", "data.block_size=32", "data.max_train_samples=34",
           "data.max_eval_samples=16", "train.log_every=1", "train.eval_every=0", "schedule=constant",
           "schedule.warmup_steps=2", "tracking=none", "launch.timeout_minutes=5")
 # bf16 at 2 x 4 sequences is not the reference's math at 1 x 8 even under one policy:

@@ -121,12 +121,45 @@ def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     return ChunkedHeadLoss.apply(flat, weight, bias, shifted_labels(labels), chunk or chunk_tokens(weight.shape[0]))
 
 
+@torch.no_grad()
+def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         labels: torch.Tensor, chunk: int) -> "TokenScores":
+    """Evaluation's figures of the head over `hidden` against unshifted `labels`, chunk
+    tokens at a time: each token's loss (fp32, as training's), whether it was trained and
+    whether the head's top word is its target. No chunk's logits outlive it."""
+    flat, target = hidden.reshape(-1, hidden.shape[-1]), shifted_labels(labels)
+    losses = torch.zeros(target.shape, dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros(target.shape, dtype=torch.bool, device=hidden.device)
+    for start in range(0, target.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = F.linear(flat[rows], weight, bias)
+        losses[rows] = F.cross_entropy(logits.float(), target[rows], ignore_index=IGNORE_INDEX, reduction="none")
+        correct[rows] = logits.argmax(-1) == target[rows]
+        del logits
+    shape = labels.shape
+    trained = target.reshape(shape) != IGNORE_INDEX
+    # aligned with labels[:, 1:], as instruct.token_losses: the last position predicts nothing
+    return TokenScores(losses.reshape(shape)[:, :-1], trained[:, :-1], (correct.reshape(shape) & trained)[:, :-1])
+
+
+@dataclass
+class TokenScores:
+    """Per-token figures of one evaluation forward, aligned with labels[:, 1:]: the loss
+    (zero where untrained), the trained mask, and the correct next-token predictions."""
+
+    losses: torch.Tensor
+    trained: torch.Tensor
+    correct: torch.Tensor
+
+
 @dataclass
 class _HeadState:
     labels: Optional[torch.Tensor] = None
     total: Optional[torch.Tensor] = None  # what the head returned for the forward in flight
     chunk: int = 1
     fused: Optional[HeadLoss] = None  # Liger's kernel, for hidden states on a GPU (runner/components/liger_loss.py)
+    scoring: bool = False  # evaluation: the head keeps per-token scores (`scores`) instead of a loss
+    scores: Optional[TokenScores] = None
 
 
 class ChunkedLoss:
@@ -146,6 +179,9 @@ class ChunkedLoss:
             if hidden.shape[:-1] != labels.shape:
                 raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
                                    f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
+            if state.scoring:  # no loss for the model to compute: it was called without labels
+                state.scores = chunked_token_scores(hidden, module.weight, module.bias, labels, state.chunk)
+                return hidden.new_zeros(())
             if state.fused is not None and liger_loss.runs_on(hidden):
                 total = state.fused(hidden.reshape(-1, hidden.shape[-1]), module.weight, module.bias,
                                     shifted_labels(labels))
@@ -180,6 +216,20 @@ class ChunkedLoss:
             yield
         finally:
             self.state.labels = self.state.total = None
+
+    def scores(self, model: Any, inputs: dict[str, Any], labels: torch.Tensor) -> TokenScores:
+        """Evaluation's per-token figures of one forward of `model` (the prepared one, so
+        every strategy's hooks run) on `inputs` (no labels), through the chunked head: the
+        whole logits (batch x tokens x vocabulary, in fp32 for the loss) are never held."""
+        self.state.labels, self.state.scoring = labels, True
+        try:
+            model(**inputs)
+            scores, self.state.scores = self.state.scores, None
+        finally:
+            self.state.labels, self.state.scoring = None, False
+        if scores is None:
+            raise RuntimeError("chunked loss: the model's forward never called its output head; set model.chunked_loss=false")
+        return scores
 
     def remove(self) -> None:
         self.head.forward = self._plain_forward

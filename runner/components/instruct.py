@@ -221,14 +221,22 @@ def stack_packed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def real_tokens(batch: dict[str, Any]) -> int:
-    """The batch's tokens that are not padding: what tokens/s and MFU count. Packed rows
-    carry their own count; padded ones, their attention mask; run_clm's blocks are all
-    real."""
+    """The batch's tokens that are not padding: what tokens/s and MFU count."""
+    return int(row_real_tokens(batch).sum())
+
+
+def row_real_tokens(batch: dict[str, Any]) -> Any:
+    """Each row's tokens that are not padding. Packed rows carry their own count (as do
+    a batch's fillers: runner/components/epoch_batches.py); padded ones, their attention
+    mask; run_clm's blocks are all real."""
+    import torch
+
     if "real_tokens" in batch:
-        return int(batch["real_tokens"].sum())
+        return batch["real_tokens"]
     if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel())
+        return batch["attention_mask"].sum(dim=1)
+    rows, length = batch["input_ids"].shape
+    return torch.full((rows,), length, dtype=torch.int64)
 
 
 def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True) -> dict[str, Any]:

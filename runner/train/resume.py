@@ -129,9 +129,7 @@ def describe_layout_change(old: RunSpec, new: RunSpec, old_world: int, new_world
     return f"{'x'.join(map(str, before))} -> {'x'.join(map(str, after))} (processes x per-device batch x accumulation)"
 
 
-def layout_change_problems(
-    old: RunSpec, new: RunSpec, old_world: int, new_world: int, train_samples: Optional[int], marker: dict
-) -> list[str]:
+def layout_change_problems(old: RunSpec, new: RunSpec, old_world: int, new_world: int, marker: dict) -> list[str]:
     """Why a change of layout (processes x per-device batch x accumulation) at the same
     global batch cannot continue at the exact sample; empty when it can."""
     before, after = _layout(old, old_world), _layout(new, new_world)
@@ -151,19 +149,13 @@ def layout_change_problems(
     elif int(marker["samples_in_epoch"]) % (new_world * new.train.per_device_batch_size):
         problems.append(f"layout {shown}: the checkpoint's position ({marker['samples_in_epoch']} samples into the "
                         "epoch) is not a whole number of this layout's micro-batches")
-    batch = global_batch(new.train, new_world)
-    if train_samples is not None and train_samples % batch:
-        # Accelerate pads and splits an epoch's short last step per layout: the steps
-        # after the first epoch end would not be the ones the run would have taken.
-        problems.append(f"layout {shown}: the {train_samples} training samples do not divide into global batches of "
-                        f"{batch}, and each layout splits the short last step of an epoch its own way "
-                        "(set data.max_train_samples to a multiple of the global batch, or keep the layout)")
+    # An epoch's short last step is the same samples in every layout (fillers complete the
+    # last round: runner/components/epoch_batches.py), so the sample count needs no check.
     return problems
 
 
 def compare(
-    old: RunSpec, new: RunSpec, old_world: int, new_world: int,
-    train_samples: Optional[int] = None, marker: Optional[dict] = None,
+    old: RunSpec, new: RunSpec, old_world: int, new_world: int, marker: Optional[dict] = None,
 ) -> tuple[list[str], list[str]]:
     """(breaking, harmless) differences between the checkpoint's spec and this one."""
     a, b = flat_spec_dict(old), flat_spec_dict(new)
@@ -182,7 +174,7 @@ def compare(
         breaking.append(f"layout {describe_layout_change(old, new, old_world, new_world)} of a stream "
                         "(each rank's position is in its own share of it)")
     else:
-        problems = layout_change_problems(old, new, old_world, new_world, train_samples, marker or {})
+        problems = layout_change_problems(old, new, old_world, new_world, marker or {})
         breaking += problems
         if not problems and _layout(old, old_world) != _layout(new, new_world):
             harmless.append(f"layout {describe_layout_change(old, new, old_world, new_world)}, "
@@ -269,7 +261,7 @@ def check_resume(
         raise UserError(f"checkpoint {path}: its {SPEC_FILENAME} is unreadable ({err}).") from None
 
     marker = read_marker(path)
-    breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, train_samples, marker)
+    breaking, harmless = compare(old, spec, int(marker.get("world_size", world_size)), world_size, marker)
     changed, named = data_changes(spec, marker, data_key)
     breaking, harmless = breaking + changed, harmless + named
     if breaking:

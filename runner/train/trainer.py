@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import NO_COMPILE, compile_stats
-from runner.components.instruct import IGNORE_INDEX, model_inputs, real_tokens, token_losses
+from runner.components.instruct import IGNORE_INDEX, model_inputs, row_real_tokens, token_losses
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -117,9 +117,12 @@ class Trainer:
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.plan = plan
-        # Instruction data: a step's loss is the sum over its answer tokens, on every rank
-        # and micro-batch, over their number (_token_weighted_windows); run_clm's blocks
-        # all have the same number of tokens, so the mean per micro-batch is that already.
+        # A step's loss is the sum over its trained tokens, on every rank and micro-batch,
+        # over their number (_token_weighted_windows): answer tokens of instruction data,
+        # and run_clm's blocks too, whose epoch ends in a short step (a short window, and
+        # fillers that train nothing: runner/components/epoch_batches.py). A stream's
+        # steps are all whole, so it keeps the mean per micro-batch. `token_weighted`:
+        # the rates count real tokens, not the rows' capacity (instruction data).
         self.token_weighted = token_weighted
         self._logged_real_tokens = 0  # real tokens at the last log line (token-weighted runs)
         self.run_dir = run_dir
@@ -177,7 +180,7 @@ class Trainer:
             while s.step < plan.total_steps:
                 pass_start = s.step
                 batches = self._timed(self._epoch_batches())
-                for batch in self._token_weighted_windows(batches) if self.token_weighted else batches:
+                for batch in batches if self.stream else self._token_weighted_windows(batches):
                     s.samples_in_epoch += self.samples_per_batch
                     if not self.train_step(batch):
                         continue
@@ -285,10 +288,13 @@ class Trainer:
             window = list(islice(it, min(accum - self.accelerator.step % accum, left)))
             if not window:
                 return
-            # Trained tokens (the loss's divisor) and real ones (the rates'), one all-reduce.
-            local = [sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in window),
-                     sum(real_tokens(b) for b in window)]
-            counted = torch.tensor(local, dtype=torch.int64, device=self.accelerator.device)
+            # Trained tokens (the loss's divisor) and real ones (the rates'), one all-reduce;
+            # counted on the device, so the host never waits for it.
+            device = self.accelerator.device
+            counted = torch.stack([
+                torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in window]).sum(),
+                torch.stack([row_real_tokens(b).to(device).sum() for b in window]).sum(),
+            ]).to(torch.int64)
             if self.accelerator.num_processes > 1:
                 torch.distributed.all_reduce(counted)
             total = counted[0].float()
@@ -626,12 +632,10 @@ class Trainer:
         sums, counts, correct = [], [], []
         started = time.perf_counter()
         for batch in self.eval_loader:
-            logits = self.model(**model_inputs(batch, cache=not self.compiled)).logits
-            token_loss, trained = token_losses(logits, batch["labels"])
-            predicted = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
+            token_loss, trained, right = self._token_scores(batch)
             sums.append(acc.gather_for_metrics(token_loss.sum(dim=1)))
             counts.append(acc.gather_for_metrics(trained.sum(dim=1)))
-            correct.append(acc.gather_for_metrics((predicted & trained).sum(dim=1)))
+            correct.append(acc.gather_for_metrics(right.sum(dim=1)))
         self.strategy.after_evaluation(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
         if not sums:
@@ -648,6 +652,20 @@ class Trainer:
             "eval_runtime": round(runtime, 3),
             "eval_samples_per_second": round(samples / runtime, 3) if runtime > 0 else None,
         }
+
+    def _token_scores(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(per-token losses, trained mask, correct predictions) of one evaluation batch,
+        aligned with labels[:, 1:]. Through the chunked head when installed: the whole
+        logits in fp32 would be the largest thing evaluation holds (GPT-2's vocabulary:
+        200 KB a token), larger than the training step's planned peak."""
+        inputs = model_inputs(batch, cache=not self.compiled)
+        if self.chunked_loss is not None:
+            scores = self.chunked_loss.scores(self.model, inputs, batch["labels"])
+            return scores.losses, scores.trained, scores.correct
+        logits = self.model(**inputs).logits
+        token_loss, trained = token_losses(logits, batch["labels"])
+        predicted = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
+        return token_loss, trained, predicted & trained
 
     def _evaluate_and_log(self, progress: Optional[Progress]) -> dict[str, float]:
         started = time.perf_counter()

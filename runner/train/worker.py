@@ -40,6 +40,7 @@ from runner.components.chunked_loss import install as install_chunked_loss
 from runner.components.liger_loss import gpu_present
 from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, PreparedData, collate, collate_for, resolve_block_size
+from runner.components.epoch_batches import EpochBatches, WithFillers, masking_fillers
 from runner.components.data import prepare as prepare_data
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.components.model import (
@@ -150,7 +151,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(built.config), built.tokenizer.model_max_length)
     data = load_data(spec, accelerator, built.tokenizer, block_size)  # 4
-    loaders = make_loaders(spec, data)
+    loaders = make_loaders(spec, data, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, optimizer_in_use = prepare_for_training(  # 5
         spec, strategy, accelerator, built.model, loaders)
     if spec.data.packing:  # on the prepared model, every rank: a sharded forward is collective
@@ -254,7 +255,7 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
     return data
 
 
-def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
+def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: int) -> Loaders:
     t = spec.train
     pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accelerator.dataloader_config) can overlap
     sampler: EpochSampler | BlockStream
@@ -275,9 +276,10 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData) -> Loaders:
         )
     else:
         sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
+        # The epoch's last round completed by fillers, never by duplicates (runner/components/epoch_batches.py).
         train_loader = DataLoader(
-            data.train, batch_size=t.per_device_batch_size, sampler=sampler, collate_fn=batches,
-            num_workers=t.dataloader_num_workers, drop_last=False,
+            WithFillers(data.train), batch_sampler=EpochBatches(sampler, t.per_device_batch_size, world_size),
+            collate_fn=masking_fillers(batches), num_workers=t.dataloader_num_workers,
             generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
             pin_memory=pin,
         )

@@ -65,7 +65,9 @@ def test_loss_and_every_gradient_equal_the_plain_loss(model_type, masked):
     assert grads.keys() == chunked_grads.keys() and grads
     for name, g in grads.items():
         scale = g.abs().max().item()
-        assert (chunked_grads[name] - g).abs().max().item() <= 1e-4 * max(scale, 1e-6), name
+        # + 1e-9: a gradient that is zero in exact math (a key projection's bias: softmax
+        # ignores a shift) is float noise of 1e-11 to 1e-10 in both (OPT's read 1.02e-10 apart)
+        assert (chunked_grads[name] - g).abs().max().item() <= 1e-4 * scale + 1e-9, name
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -210,3 +212,56 @@ def test_the_chunked_loss_reads_nothing_on_the_host():
             loss = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(30)).loss
         loss.backward()
     assert reads.seen == []
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "qwen3"])
+def test_evaluation_scores_equal_the_plain_logits(model_type):
+    """Evaluation through the chunked head gives each token's loss, the trained mask and
+    the correct predictions of the plain logits (the losses within float rounding, 1e-5,
+    as training's per-token losses above)."""
+    from runner.components.instruct import token_losses
+
+    plain = tiny(model_type)
+    chunked_model = copy.deepcopy(plain)
+    chunked, reason = install(chunked_model)
+    assert reason is None, reason
+    chunked.state.chunk = 7
+    ids, labels = batch(masked=True)
+    with torch.no_grad():
+        logits = plain(input_ids=ids, use_cache=False).logits
+        scores = chunked.scores(chunked_model, {"input_ids": ids, "use_cache": False}, labels)
+    losses, trained = token_losses(logits, labels)
+    assert torch.equal(scores.trained, trained)
+    assert torch.allclose(scores.losses, losses, atol=1e-5, rtol=0)  # another matmul shape: float rounding
+    assert torch.equal(scores.correct, (logits[:, :-1].argmax(-1) == labels[:, 1:]) & trained)
+    # and the head is its plain self again for the next forward
+    with torch.no_grad():
+        assert torch.allclose(chunked_model(input_ids=ids, use_cache=False).logits, logits, atol=1e-6)
+
+
+def test_evaluation_never_holds_the_whole_logits():
+    """The largest tensor an evaluation forward makes is a chunk's logits, not the batch's
+    tokens x vocabulary (measured before: 920 MB RSS at evaluation batch 1 and 3,933 MB
+    at 32 for a plan of 291.5 MiB, GPT-2's vocabulary at block 256)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny("gpt2")
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    class Largest(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                # a weight's transpose is the weight's memory, nothing new
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in parameters:
+                    self.elements = max(self.elements, t.numel())
+            return out
+
+    chunked, _ = install(model)
+    chunked.state.chunk = 7
+    ids, labels = batch(masked=False)  # 46 tokens
+    with torch.no_grad(), Largest() as seen:
+        chunked.scores(model, {"input_ids": ids, "use_cache": False}, labels)
+    assert seen.elements == 7 * VOCAB  # one chunk's logits (the embedding table is a parameter, not made)
