@@ -140,7 +140,7 @@ def chat_spans(messages: Sequence[dict[str, str]], render: Callable[..., str]) -
     (its content and end-of-turn markup). `render(messages, add_generation_prompt)` is
     the template. It must render each chat's start as a prefix of the whole: a template
     that does not cannot be masked exactly this way, and is refused (a template with
-    {% generation %} blocks marks its answers itself: generation_spans)."""
+    {% generation %} blocks marks its answers itself: chat_example)."""
     from runner.config.errors import UserError
 
     whole = render(list(messages), add_generation_prompt=False)
@@ -382,7 +382,8 @@ def _check_syntax(text: str, source: str, tokenizer: Any) -> None:
     try:
         tokenizer.apply_chat_template(chat, chat_template=text, tokenize=False)
     except jinja2.TemplateSyntaxError as err:
-        raise UserError(f"{source}: the template does not parse: line {err.lineno}: {err.message} Fix the "
+        message = (err.message or type(err).__name__).rstrip(".")
+        raise UserError(f"{source}: the template does not parse: line {err.lineno}: {message}. Fix the "
                         "template.") from None
     except jinja2.TemplateError:
         pass
