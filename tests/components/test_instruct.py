@@ -384,7 +384,7 @@ def test_the_counts_of_cut_and_unanswered_chats_are_reported_per_split(tmp_path,
 
 
 # ---------------------------------------------------------------- data.chat_template
-def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(tokenizer, tmp_path):
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(tokenizer):
     from runner.components.instruct import chat_template_text
 
     typo = str(asset_path("chat_tempalte_plain.jinja"))
