@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, Features, Sequence, Value, load_dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
 from runner.components.data_checks import builder_for
@@ -92,7 +92,7 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
         parts["instruct"] = {"format": data.format.value, "fields": [data.prompt_field, data.completion_field,
                              data.messages_field], "template": template, "train_on_prompt": data.train_on_prompt,
                              "too_long": data.too_long.value, "packing": data.packing,
-                             "rows": 2}  # 2: packed rows carry real_tokens
+                             "rows": 3}  # 2: packed rows carry real_tokens; 3: the text tokenized once
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
         parts["train_type"] = builder_for(data.train_file)
@@ -178,8 +178,11 @@ def tokenize_and_group(
 def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
                      template: Optional[str]) -> tuple["DatasetDict", dict[str, dict[str, Any]]]:
     """Instruction records as training rows (runner/components/instruct.py): examples with
-    loss on the answer, fitted to the block, packed or one a row; and the counts."""
-    from runner.components.instruct import build, record_examples
+    loss on the answer, fitted to the block, packed or one a row; and the counts. The
+    records are tokenized by datasets' map on data.preprocessing_num_workers processes,
+    as run_clm tokenizes text; each record is its own example, so the rows do not depend
+    on the number."""
+    from runner.components.instruct import build, examples_of, record_example
 
     names = {"prompt_field": data.prompt_field, "completion_field": data.completion_field,
              "messages_field": data.messages_field}
@@ -187,12 +190,20 @@ def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedT
     splits, counts = {}, {}
     for split in ("train", "validation"):
         where = (data.train_file if split == "train" else data.validation_file or data.train_file) or data.dataset_name
-        examples = record_examples(raw[split], data.format.value, names, tokenizer, template, data.train_on_prompt,
-                                   f"{split} data ({where})")
-        rows, split_counts = build(examples, block_size, data.too_long.value, data.packing, pad_id)
+        tokenized = raw[split].map(
+            record_example, with_indices=True, num_proc=data.preprocessing_num_workers,
+            fn_kwargs={"fmt": data.format.value, "names": names, "tokenizer": tokenizer, "template": template,
+                       "train_on_prompt": data.train_on_prompt, "where": f"{split} data ({where})"},
+            remove_columns=raw[split].column_names, desc=f"Tokenizing {split} records", load_from_cache_file=False,
+            features=Features(input_ids=Sequence(Value("int64")), labels=Sequence(Value("int64")),
+                              answered=Value("bool"), turns_cut=Value("bool")))
+        examples, read = examples_of(tokenized)
+        rows, split_counts = build(examples, block_size, data.too_long.value, data.packing, pad_id, read)
         if not rows:
             dropped = f"; {split_counts.dropped} dropped as longer than data.block_size={block_size}" \
                 if split_counts.dropped else ""
+            dropped += f"; {split_counts.no_answer} chats with no assistant turn left out" \
+                if split_counts.no_answer else ""
             raise UserError(f"the {split} data ({where}) leaves no examples{dropped}. Give more records, raise "
                             "data.block_size, or set data.too_long=truncate.")
         splits[split] = Dataset.from_list(rows)

@@ -2,9 +2,15 @@
 
 Each example becomes `input_ids` and `labels` of equal length, labels -100 where no loss
 is taken (the prompt, system and user turns, the template's markup before an answer).
-The boundary is exact by construction: the prompt and the answer are tokenized
-separately and their ids concatenated, so no token straddles the two; the first
-answer token is trained and no prompt token is. An EOS closes each example.
+The example's whole text (prompt + completion, or the rendered chat) is tokenized once,
+as it is at inference, and the tokens whose characters overlap the answer's are
+trained (the tokenizer's offsets; transformers' rule for a template's assistant mask).
+Tokenizing the pieces apart and joining the ids is not the text's tokenization:
+SentencePiece/Metaspace tokenizers (Llama 2, Mistral, Gemma) start every piece with a
+"▁" the text does not have, and byte-level BPE (GPT-2) splits whitespace before a word
+otherwise (a prompt's closing blank line is one token alone, two before the answer).
+An EOS closes each example that ends on an answer; a chat's turns after its last
+answer are cut, and a chat with no answer is left out (both counted).
 
 Packing puts whole examples, in order, into rows of `block_size` tokens. Position ids
 restart at 0 for each example: transformers reads restarts in `position_ids` (with no
@@ -18,6 +24,7 @@ use_cache=False (model_inputs).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,6 +45,8 @@ class Counts:
     """What building the examples did, for the banner and all_results.json."""
 
     examples: int = 0
+    no_answer: int = 0  # chats with no assistant turn: nothing to train, left out
+    turns_cut: int = 0  # chats whose turns after the last assistant turn were cut
     truncated: int = 0
     dropped: int = 0
     tokens: int = 0  # input tokens of the kept examples
@@ -55,8 +64,31 @@ class Counts:
         return self.tokens / self.row_capacity if self.row_capacity else 0.0
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def trained_tokens(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """Which tokens are trained: those whose characters [start, end) overlap a trained
+    span, the rule transformers applies to a template's {% generation %} spans
+    (apply_chat_template(return_assistant_tokens_mask=True)). A token straddling a span's
+    edge is trained; a special token the tokenizer adds (a BOS) has no characters and is not."""
+    return [any(end > low and start < high for low, high in spans) for start, end in offsets]
+
+
+def _offsets(tokenizer: Any, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """`text`'s token ids and each token's characters [start, end) in it."""
+    from runner.config.errors import UserError
+
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"instruction data needs a fast tokenizer (character offsets: which tokens hold the answer); "
+                        f"{type(tokenizer).__name__} is not one. Give model.tokenizer_name a tokenizer with a "
+                        "tokenizer.json.")
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
+
+
+def encode(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool) -> Example:
+    """`text` tokenized once, labels on the tokens over `spans` (characters of `text`)."""
+    ids, offsets = _offsets(tokenizer, text, add_special_tokens)
+    trained = trained_tokens(offsets, spans)
+    return Example(ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, trained)])
 
 
 def _close(example: Example, eos_id: Optional[int], train_on_prompt: bool) -> Example:
@@ -65,6 +97,8 @@ def _close(example: Example, eos_id: Optional[int], train_on_prompt: bool) -> Ex
     if eos_id is not None and (not ids or ids[-1] != eos_id):
         ids.append(eos_id)
         labels.append(eos_id)
+    elif eos_id is not None:  # written by the template or the tokenizer's post-processor: trained all the same
+        labels[-1] = eos_id
     if train_on_prompt:
         labels = list(ids)
     if labels:
@@ -73,24 +107,44 @@ def _close(example: Example, eos_id: Optional[int], train_on_prompt: bool) -> Ex
 
 
 def prompt_completion_example(tokenizer: Any, prompt: str, completion: str, train_on_prompt: bool = False) -> Example:
-    """The prompt's ids (with the tokenizer's own leading special tokens, e.g. Llama's BOS,
-    once), then the completion's, then EOS. Loss on the completion and the EOS."""
-    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    completion_ids = _ids(tokenizer, completion)
-    example = Example(prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)
+    """The prompt's ids as a client tokenizes it at inference (with the tokenizer's special
+    tokens, e.g. Llama's BOS), then the completion's as the whole text tokenizes them
+    after it (prompt + completion tokenized once, its tokens from the completion's first
+    character on: no "▁" that SentencePiece gives a text of its own), then EOS. Loss on
+    the completion and the EOS. Where a token of the whole text straddles the two (a
+    prompt ending in a space before a word), the two do not join: the whole text's
+    tokens, the straddling one trained."""
+    boundary = len(prompt)
+    ids, offsets = _offsets(tokenizer, prompt + completion, add_special_tokens=True)
+    if any(start < boundary < end for start, end in offsets):
+        example = encode(tokenizer, prompt + completion, [(boundary, boundary + len(completion))], True)
+    else:
+        first = next((i for i, (start, end) in enumerate(offsets) if start >= boundary and end > start), len(ids))
+        prompt_ids = _offsets(tokenizer, prompt, add_special_tokens=True)[0]
+        example = Example(prompt_ids + ids[first:], [IGNORE_INDEX] * len(prompt_ids) + ids[first:])
     return _close(example, tokenizer.eos_token_id, train_on_prompt)
 
 
-def chat_segments(messages: Sequence[dict[str, str]], render: Callable[..., str]) -> list[tuple[str, bool]]:
-    """The chat's rendered text cut into (text, trained) pieces: each assistant turn's text
-    beyond what the template renders before it with the generation prompt (its content and
-    end-of-turn markup) is trained; everything else is not. `render(messages,
-    add_generation_prompt)` is the template. It must render each chat's start as a prefix
-    of the whole: a template that does not cannot be masked exactly, and is refused."""
+def through_last_answer(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The chat up to and with its last assistant turn: what follows it has no answer to
+    train, and an EOS after a user's text would teach the model to stop there. Empty
+    when the chat has no assistant turn."""
+    roles = [message.get("role") for message in messages]
+    last = len(roles) - 1 - roles[::-1].index("assistant") if "assistant" in roles else -1
+    return list(messages[:last + 1])
+
+
+def chat_spans(messages: Sequence[dict[str, str]], render: Callable[..., str]) -> tuple[str, list[tuple[int, int]]]:
+    """The chat's rendered text and the character spans trained in it: each assistant
+    turn's text beyond what the template renders before it with the generation prompt
+    (its content and end-of-turn markup). `render(messages, add_generation_prompt)` is
+    the template. It must render each chat's start as a prefix of the whole: a template
+    that does not cannot be masked exactly this way, and is refused (a template with
+    {% generation %} blocks marks its answers itself: chat_example)."""
     from runner.config.errors import UserError
 
     whole = render(list(messages), add_generation_prompt=False)
-    segments: list[tuple[str, bool]] = []
+    spans: list[tuple[int, int]] = []
     done = 0  # characters of `whole` already cut
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -100,24 +154,38 @@ def chat_segments(messages: Sequence[dict[str, str]], render: Callable[..., str]
         if not (whole.startswith(through) and through.startswith(before) and len(before) >= done):
             raise UserError("the chat template does not render a chat's first turns as a prefix of the whole chat, "
                             "so the answer tokens cannot be found exactly. Give data.chat_template a template that "
-                            "renders turn by turn (the documented plain template does).")
-        segments += [(whole[done:len(before)], False), (whole[len(before):len(through)], True)]
+                            "renders turn by turn (the documented plain template does), or one that marks its "
+                            "answers with {% generation %} ... {% endgeneration %}.")
+        if len(through) > len(before):
+            spans.append((len(before), len(through)))
         done = len(through)
-    segments.append((whole[done:], False))
-    return [(text, trained) for text, trained in segments if text]
+    return whole, spans
 
 
-def chat_example(tokenizer: Any, messages: Sequence[dict[str, str]], render: Callable[..., str],
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_example(tokenizer: Any, messages: Sequence[dict[str, str]], template: Optional[str],
                  train_on_prompt: bool = False) -> Example:
-    """Each piece tokenized on its own (the template writes any BOS itself: no special
-    tokens added, so none twice), loss on the assistant turns and the closing EOS."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, trained in chat_segments(messages, render):
-        piece = _ids(tokenizer, text)
-        ids += piece
-        labels += piece if trained else [IGNORE_INDEX] * len(piece)
-    return _close(Example(ids, labels), tokenizer.eos_token_id, train_on_prompt)
+    """The rendered chat tokenized once (no special tokens added: the template writes any
+    BOS itself), loss on the assistant turns and the closing EOS. A template with
+    {% generation %} blocks gives its own assistant mask (transformers'
+    return_assistant_tokens_mask), the library's way; most templates have none (Llama 3's,
+    Qwen2.5's, Mistral's), and for them the answers are found by rendering turn by turn
+    (chat_spans) and marked by the same rule on the tokenizer's offsets."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("a chat example ends on an assistant turn (through_last_answer): an EOS after any other "
+                         "turn would be trained")
+    text = template if template is not None else str(getattr(tokenizer, "chat_template", "") or "")
+    if GENERATION_TAG.search(text):
+        out = tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids = list(out["input_ids"])
+        example = Example(ids, [token if mask else IGNORE_INDEX for token, mask in zip(ids, out["assistant_masks"])])
+    else:
+        whole, spans = chat_spans(messages, renderer(tokenizer, template))
+        example = encode(tokenizer, whole, spans, add_special_tokens=False)
+    return _close(example, tokenizer.eos_token_id, train_on_prompt)
 
 
 def fit_to_block(example: Example, block_size: int, too_long: str) -> Optional[Example]:
@@ -167,10 +235,11 @@ def pack(examples: Sequence[Example], block_size: int, pad_id: int) -> list[dict
 
 
 def build(examples: Sequence[Example], block_size: int, too_long: str, packing: bool,
-          pad_id: int) -> tuple[list[dict[str, list[int]]], Counts]:
+          pad_id: int, counts: Optional[Counts] = None) -> tuple[list[dict[str, list[int]]], Counts]:
     """Rows to train on, and what it took: examples fitted to the block, then packed (or
-    one example a row, padded per batch at collate time)."""
-    counts = Counts()
+    one example a row, padded per batch at collate time). `counts`: what reading the
+    records counted already (examples_of)."""
+    counts = counts or Counts()
     kept: list[Example] = []
     for example in examples:
         fitted = fit_to_block(example, block_size, too_long)
@@ -281,51 +350,105 @@ def renderer(tokenizer: Any, template: Optional[str]) -> Callable[..., str]:
 
 def chat_template_text(setting: Optional[str], tokenizer: Any) -> str:
     """data.chat_template as Jinja text: a file's contents, the setting itself, else the
-    tokenizer's own template; refused when there is none."""
+    tokenizer's own template; refused when there is none, when the setting names no file
+    and holds no template syntax (a mistyped path would be rendered as the text of every
+    chat), and when the template does not parse."""
     import os
 
     from runner.config.errors import UserError
 
     if setting:
         path = os.path.expanduser(setting)
-        return open(path, encoding="utf-8").read() if os.path.isfile(path) else setting
-    if getattr(tokenizer, "chat_template", None):
-        return str(tokenizer.chat_template)
-    raise UserError("data.format=chat needs a chat template, and this tokenizer has none (GPT-2's has none): set "
-                    "data.chat_template=<a .jinja file or the template itself>, e.g. "
-                    "data.chat_template=${asset:chat_template_plain.jinja}, runner's plain one.")
+        if os.path.isfile(path):
+            text, source = open(path, encoding="utf-8").read(), f"data.chat_template={setting}"
+        elif "{{" in setting or "{%" in setting:
+            text, source = setting, "data.chat_template"
+        else:
+            raise UserError(f"data.chat_template={setting}: no such file, and not a template either (no {{{{ or {{%). "
+                            "Fix the path, e.g. data.chat_template=${asset:chat_template_plain.jinja}, or give the "
+                            "template's text.")
+    elif getattr(tokenizer, "chat_template", None):
+        text, source = str(tokenizer.chat_template), "the tokenizer's chat template"
+    else:
+        raise UserError("data.format=chat needs a chat template, and this tokenizer has none (GPT-2's has none): set "
+                        "data.chat_template=<a .jinja file or the template itself>, e.g. "
+                        "data.chat_template=${asset:chat_template_plain.jinja}, runner's plain one.")
+    _check_syntax(text, source, tokenizer)
+    return text
+
+
+def _check_syntax(text: str, source: str, tokenizer: Any) -> None:
+    """A template that does not parse, refused in one line with jinja2's line and message.
+    Parsed by rendering a short chat through transformers (its Jinja environment has the
+    {% generation %} tag and loop controls that plain jinja2 lacks). Only syntax is judged
+    here: a template's own refusals (roles that must alternate) are about records."""
+    import jinja2
+
+    from runner.config.errors import UserError
+
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    try:
+        tokenizer.apply_chat_template(chat, chat_template=text, tokenize=False)
+    except jinja2.TemplateSyntaxError as err:
+        message = (err.message or type(err).__name__).rstrip(".")
+        raise UserError(f"{source}: the template does not parse: line {err.lineno}: {message}. Fix the "
+                        "template.") from None
+    except jinja2.TemplateError:
+        pass
+
+
+def record_example(record: dict[str, Any], index: int, fmt: str, names: dict[str, str], tokenizer: Any,
+                   template: Optional[str], train_on_prompt: bool, where: str) -> dict[str, Any]:
+    """One record as a row: its example's `input_ids` and `labels` (empty for a chat with
+    no assistant turn), `answered` and `turns_cut`. `names` maps the settings
+    prompt_field, completion_field and messages_field to the records' field names. A
+    record without its field, or with a value of the wrong kind, is refused naming it.
+    A function of the record alone, so datasets' map can run it on several processes
+    (data.preprocessing_num_workers)."""
+    from runner.config.errors import UserError
+
+    def value(setting: str) -> Any:
+        name = names[setting]
+        if record.get(name) is None:
+            raise UserError(f"{where}: record {index} has no '{name}' (it has: {', '.join(record)}). Set "
+                            f"data.{setting} to the field that holds it, or fix the record.")
+        return record[name]
+
+    cut = False
+    if fmt == "prompt_completion":
+        prompt, completion = value("prompt_field"), value("completion_field")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise UserError(f"{where}: record {index}'s prompt and completion must be text.")
+        example: Optional[Example] = prompt_completion_example(tokenizer, prompt, completion, train_on_prompt)
+    else:
+        messages = value("messages_field")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                     for m in messages):
+            raise UserError(f"{where}: record {index}'s '{names['messages_field']}' must be a list of "
+                            "{role, content} messages.")
+        answered = through_last_answer(messages)
+        cut = 0 < len(answered) < len(messages)
+        example = chat_example(tokenizer, answered, template, train_on_prompt) if answered else None
+    return {"input_ids": example.input_ids if example else [], "labels": example.labels if example else [],
+            "answered": example is not None, "turns_cut": cut}
+
+
+def examples_of(rows: Any) -> tuple[list[Example], Counts]:
+    """record_example's rows as examples, and the counts of chats left out or cut."""
+    counts, examples = Counts(), []
+    for row in rows:
+        counts.no_answer += not row["answered"]
+        counts.turns_cut += bool(row["turns_cut"])
+        if row["answered"]:
+            examples.append(Example(list(row["input_ids"]), list(row["labels"])))
+    return examples, counts
 
 
 def record_examples(records: Any, fmt: str, names: dict[str, str], tokenizer: Any, template: Optional[str],
-                    train_on_prompt: bool, where: str) -> list[Example]:
-    """Each record of a split as an Example. `names` maps the settings prompt_field,
-    completion_field and messages_field to the records' field names. A record without
-    its field, or with a value of the wrong kind, is refused naming the record."""
-    from runner.config.errors import UserError
-
-    render = renderer(tokenizer, template) if fmt == "chat" else None
-    examples = []
-    for index, record in enumerate(records):
-        def value(setting: str) -> Any:
-            name = names[setting]
-            if record.get(name) is None:
-                raise UserError(f"{where}: record {index} has no '{name}' (it has: {', '.join(record)}). Set "
-                                f"data.{setting} to the field that holds it, or fix the record.")
-            return record[name]
-
-        if fmt == "prompt_completion":
-            prompt, completion = value("prompt_field"), value("completion_field")
-            if not isinstance(prompt, str) or not isinstance(completion, str):
-                raise UserError(f"{where}: record {index}'s prompt and completion must be text.")
-            examples.append(prompt_completion_example(tokenizer, prompt, completion, train_on_prompt))
-        else:
-            messages = value("messages_field")
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                         for m in messages):
-                raise UserError(f"{where}: record {index}'s '{names['messages_field']}' must be a list of "
-                                "{role, content} messages.")
-            examples.append(chat_example(tokenizer, messages, render, train_on_prompt))  # type: ignore[arg-type]
-    return examples
+                    train_on_prompt: bool, where: str) -> tuple[list[Example], Counts]:
+    """Each record of a split as an Example, in one process (record_example)."""
+    return examples_of(record_example(record, index, fmt, names, tokenizer, template, train_on_prompt, where)
+                       for index, record in enumerate(records))
 
 
 def packing_leak(model: Any, vocab_size: int) -> float:

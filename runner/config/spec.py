@@ -152,9 +152,10 @@ class DataSpec:
     validation_split_percentage: int = 5
     """Percent of train used for validation when there is no validation split (1-99)."""
     text_column: Optional[str] = None
-    """Column holding the text. null: `text` if present, else the first column."""
+    """Column holding the text. null: `text` if present, else the first column. data.format=text
+    only (instruction records name their fields: prompt_field, completion_field, messages_field)."""
     keep_linebreaks: bool = True
-    """For .txt files: keep the newline at the end of each line."""
+    """For .txt files: keep the newline at the end of each line. data.format=text only."""
     block_size: Optional[int] = None
     """Tokens per training sequence. null: min(1024, the model's max positions)."""
     max_train_samples: Optional[int] = None
@@ -164,7 +165,8 @@ class DataSpec:
     preprocessing_num_workers: Optional[int] = None
     """Processes for tokenization. null: one. The blocks depend on it (each worker groups
     its own contiguous shard), so it is part of the data cache key, and a resume refuses
-    a change of it."""
+    a change of it. Instruction formats tokenize their records on as many (each record is
+    its own example: the rows are the same whatever the number)."""
     cache_dir: Optional[str] = None
     """Where tokenized, grouped data is cached. null: $RUNNER_CACHE_DIR or ~/.cache/runner."""
     streaming: bool = False
@@ -194,7 +196,9 @@ class DataSpec:
     """chat: the record's list of messages."""
     chat_template: Optional[str] = None
     """chat: a Jinja chat template, as a file path or the template itself. null: the
-    tokenizer's own (GPT-2's has none: ${asset:chat_template_plain.jinja} is a plain one)."""
+    tokenizer's own (GPT-2's has none: ${asset:chat_template_plain.jinja} is a plain one).
+    A value that names no file and holds no {{ or {% is refused, as is a template that
+    does not parse. {% generation %} blocks, where the template has them, mark the answers."""
     train_on_prompt: bool = False
     """Instruction formats: also train on the prompt and the user and system turns."""
     too_long: TooLong = TooLong.truncate

@@ -193,6 +193,17 @@ def check_format(spec: RunSpec) -> list[str]:
         return p
     if d.chat_template and d.format is not DataFormat.chat:
         p.append(f"data.chat_template is for data.format=chat, not {d.format.value}: set data.chat_template=null.")
+    # run_clm's settings that an instruction format has no use for: refused, not ignored
+    # (data.preprocessing_num_workers is honoured: the records' tokenization runs on that many)
+    if d.text_column is not None:
+        fields = "data.prompt_field and data.completion_field" if d.format is DataFormat.prompt_completion \
+            else "data.messages_field"
+        p.append(f"data.text_column={d.text_column} is for data.format=text; data.format={d.format.value} reads "
+                 f"{fields}. Set data.text_column=null (and name the records' fields there).")
+    if d.keep_linebreaks is not DataSpec().keep_linebreaks:
+        p.append(f"data.keep_linebreaks={str(d.keep_linebreaks).lower()} is for .txt files (data.format=text); "
+                 f"data.format={d.format.value} reads JSON records, whose text keeps its line breaks. Remove the "
+                 "override.")
     if d.streaming:
         p.append(f"data.format={d.format.value} reads its examples into the cache; data.streaming=true is for "
                  "data.format=text so far. Set data.streaming=false.")

@@ -252,6 +252,9 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
             log.info(f"data: {split}: {c['examples']:,} examples ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
                      f"as longer than {block_size} tokens), {rows}; {c['trained_tokens']:,} of {c['tokens']:,} tokens "
                      f"trained ({c['trained_share']:.1%})")
+            if c.get("no_answer") or c.get("turns_cut"):  # chats: nothing trains after the last answer
+                log.info(f"data: {split}: {c['no_answer']:,} chats with no assistant turn left out; "
+                         f"{c['turns_cut']:,} cut after their last assistant turn")
     return data
 
 

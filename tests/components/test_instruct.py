@@ -11,14 +11,15 @@ from runner.components.instruct import (
     Example,
     build,
     chat_example,
-    chat_segments,
+    chat_spans,
     fit_to_block,
     model_inputs,
     pack,
     pad_batch,
     prompt_completion_example,
-    renderer,
     real_tokens,
+    record_examples,
+    renderer,
     stack_packed,
     token_losses,
 )
@@ -60,9 +61,9 @@ def test_the_completion_and_eos_are_trained_and_no_prompt_token_is(tokenizer):
 
 
 def test_a_chat_trains_the_assistant_turns_only(tokenizer, plain):
-    render = renderer(tokenizer, plain)
-    assert [trained for _, trained in chat_segments(CHAT, render)] == [False, True, False, True]
-    example = chat_example(tokenizer, CHAT, render)
+    whole, spans = chat_spans(CHAT, renderer(tokenizer, plain))
+    assert [whole[low:high] for low, high in spans] == ["Hello.\n\n", "No.\n\n"]
+    example = chat_example(tokenizer, CHAT, plain)
     assert trained_text(tokenizer, example) == "Hello.\n\nNo.\n\n<|endoftext|>"
     assert tokenizer.decode(example.input_ids).startswith("### System:\nBe brief.")  # rendered once, no BOS added
     assert tokenizer.decode(example.input_ids).count("### Assistant:") == 2
@@ -71,7 +72,7 @@ def test_a_chat_trains_the_assistant_turns_only(tokenizer, plain):
 def test_a_template_that_does_not_render_turn_by_turn_is_refused(tokenizer):
     reversed_turns = "{% for m in messages|reverse %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(UserError, match="renders turn by turn"):
-        chat_example(tokenizer, CHAT, renderer(tokenizer, reversed_turns))
+        chat_example(tokenizer, CHAT, reversed_turns)
 
 
 def test_too_long_examples_are_truncated_keeping_the_answer_or_dropped():
@@ -238,3 +239,187 @@ def test_the_packing_probe_finds_a_model_that_lets_examples_attend_across(arch, 
     gap = packing_leak(model.train(), 50257)
     assert (gap > 1e-3) is leaks, gap
     assert model.training  # left as it was
+
+
+# ---------------------------------------------------------------- the text's own tokens
+@pytest.fixture(scope="module")
+def metaspace():
+    """A SentencePiece-style tokenizer as Llama 2 and Mistral have (transformers'
+    LlamaTokenizer: BPE with byte fallback under a Metaspace pre-tokenizer, "▁" before a
+    text's first word, a BOS), its merges learnt from the embedded novels' first lines:
+    the hub is offline."""
+    import gzip
+    import itertools
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    with gzip.open(asset_path("austen.txt.gz"), "rt") as handle:
+        lines = [line.strip() for line in itertools.islice(handle, 400) if line.strip()]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]  # Llama's byte pieces
+    bpe.train_from_iterator(lines + ["2+2=4"], trainers.BpeTrainer(vocab_size=600, special_tokens=special))
+    learnt = json.loads(bpe.to_str())["model"]
+    return LlamaTokenizer(vocab=learnt["vocab"], merges=[tuple(m) for m in learnt["merges"]], add_bos_token=True)
+
+
+def sft_records(count: int) -> list[dict]:
+    import gzip
+    import itertools
+    import json
+
+    with gzip.open(asset_path("austen_sft.jsonl.gz"), "rt") as handle:
+        return [json.loads(line) for line in itertools.islice(handle, count)]
+
+
+def without_generation_tags(template: str) -> str:
+    """The same template with no {% generation %} blocks: its answers are then found by
+    rendering turn by turn (chat_spans) instead of transformers' assistant mask."""
+    return template.replace("{% generation %}", "").replace("{% endgeneration %}\n", "")
+
+
+def test_a_metaspace_tokenizer_trains_the_answers_own_tokens_not_a_leading_piece(metaspace):
+    """SentencePiece puts "▁" before a text's first word: the answer "4" tokenized on its
+    own is ['▁', '4'], after "2+2=" in the text it is ['4']."""
+    example = prompt_completion_example(metaspace, "2+2=", "4")
+    trained = [metaspace.convert_ids_to_tokens(i) for i, label in zip(example.input_ids, example.labels)
+               if label != IGNORE_INDEX]
+    assert trained == ["4", "</s>"]
+    assert example.input_ids == metaspace("2+2=4")["input_ids"] + [metaspace.eos_token_id]
+    records = sft_records(200)
+    for record in records:
+        example = prompt_completion_example(metaspace, record["prompt"], record["completion"])
+        assert example.input_ids[:-1] == metaspace(record["prompt"] + record["completion"])["input_ids"]
+        assert trained_text(metaspace, example) == record["completion"] + "</s>"
+
+
+def test_byte_level_bpe_examples_are_the_prompts_ids_then_the_answers(tokenizer):
+    """GPT-2's outputs as before: the prompt tokenized alone (a client's tokens at
+    inference: its closing blank line one token, 628), then the answer's tokens."""
+    for record in sft_records(200):
+        example = prompt_completion_example(tokenizer, record["prompt"], record["completion"])
+        prompt, answer = (tokenizer(record[key])["input_ids"] for key in ("prompt", "completion"))
+        assert example.input_ids == prompt + answer + [tokenizer.eos_token_id]
+        assert example.labels == [IGNORE_INDEX] * len(prompt) + answer + [tokenizer.eos_token_id]
+    straddling = prompt_completion_example(tokenizer, "Q: ", "Paris")  # " Paris" is one token of the text
+    assert straddling.input_ids[:-1] == tokenizer("Q: Paris")["input_ids"]
+    assert trained_text(tokenizer, straddling) == " Paris<|endoftext|>"
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "metaspace"])
+def test_a_chat_is_its_rendered_text_tokenized_once(which, plain, request):
+    """The ids are the template's text as apply_chat_template tokenizes it (no space
+    between the assistant header and the answer that the template never rendered), and
+    the answers found by rendering turn by turn are those of the template's own
+    assistant mask ({% generation %}, transformers)."""
+    tokenizer = request.getfixturevalue(which)
+    eos = tokenizer.eos_token
+    text = renderer(tokenizer, plain)(CHAT)
+    example = chat_example(tokenizer, CHAT, plain)
+    assert tokenizer.decode(example.input_ids) == text + eos
+    assert example.input_ids[:-1] == tokenizer.apply_chat_template(CHAT, chat_template=plain, tokenize=True,
+                                                                   return_dict=True)["input_ids"]
+    assert trained_text(tokenizer, example) == f"Hello.\n\nNo.\n\n{eos}"
+    assert chat_example(tokenizer, CHAT, without_generation_tags(plain)) == example
+
+
+def test_packing_stays_leak_free_on_metaspace_examples(metaspace, plain):
+    """Examples built by the new path pack with restarting positions like any others."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.certify.architectures import TINY
+    from runner.components.model import build_config
+    from runner.config.spec import ModelSpec
+
+    records = sft_records(4)
+    examples = [prompt_completion_example(metaspace, r["prompt"], r["completion"]) for r in records[:2]]
+    examples += [chat_example(metaspace, r["messages"], plain) for r in records[2:]]
+    torch.manual_seed(0)
+    overrides = TINY["llama"] + f",vocab_size={len(metaspace)}"
+    model = AutoModelForCausalLM.from_config(build_config(ModelSpec(model_type="llama", config_overrides=overrides)))
+    rows = pack(examples, 512, pad_id=0)
+    alone = [per_example_losses(model.eval(), [{"input_ids": e.input_ids, "labels": e.labels}], packed=False)[0]
+             for e in examples]
+    assert len(rows) < len(examples)
+    assert per_example_losses(model, rows, packed=True) == pytest.approx(alone, abs=1e-5)
+
+
+# ---------------------------------------------------------------- what a chat ends on
+def test_a_chat_ends_its_example_on_its_last_answer(tokenizer, plain):
+    """An EOS is trained only after an assistant turn: turns after the last answer are
+    cut, a chat with no answer is left out; both are counted."""
+    names = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages"}
+    trailing = CHAT + [{"role": "user", "content": "Bye"}]
+    unanswered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    examples, counts = record_examples([{"messages": trailing}, {"messages": unanswered}, {"messages": CHAT}], "chat",
+                                       names, tokenizer, plain, False, "train data (x.jsonl)")
+    assert (len(examples), counts.no_answer, counts.turns_cut) == (2, 1, 1)
+    assert examples[0] == examples[1] == chat_example(tokenizer, CHAT, plain)
+    assert tokenizer.decode(examples[0].input_ids).endswith("### Assistant:\nNo.\n\n<|endoftext|>")
+
+
+def test_the_counts_of_cut_and_unanswered_chats_are_reported_per_split(tmp_path, tokenizer, plain):
+    """instruction_rows' counts (the banner and all_results.json's instruction_data), and
+    the same rows on two tokenizing processes (data.preprocessing_num_workers) as on one."""
+    import json
+
+    from runner.components.data import instruction_rows, load_raw
+    from runner.config.spec import DataFormat, DataSpec
+
+    records = [{"messages": CHAT}, {"messages": CHAT + [{"role": "user", "content": "Bye"}]},
+               {"messages": CHAT[:2]}] * 4
+    for name, rows in (("train.jsonl", records), ("validation.jsonl", records[:3])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = {}
+    for workers in (None, 2):
+        data = DataSpec(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.jsonl"),
+                        format=DataFormat.chat, preprocessing_num_workers=workers)
+        blocks, counts = instruction_rows(load_raw(data), data, tokenizer, 256, plain)
+        rows[workers] = blocks["train"]["input_ids"]
+        assert {split: (c["examples"], c["no_answer"], c["turns_cut"]) for split, c in counts.items()} == \
+            {"train": (8, 4, 4), "validation": (2, 1, 1)}
+    assert rows[None] == rows[2]
+
+
+# ---------------------------------------------------------------- data.chat_template
+def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(tokenizer):
+    from runner.components.instruct import chat_template_text
+
+    typo = str(asset_path("chat_tempalte_plain.jinja"))
+    with pytest.raises(UserError) as refused:
+        chat_template_text(typo, tokenizer)
+    assert refused.value.problems == [
+        f"data.chat_template={typo}: no such file, and not a template either (no {{{{ or {{%). Fix the path, e.g. "
+        "data.chat_template=${asset:chat_template_plain.jinja}, or give the template's text."]
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_naming_its_line(tokenizer, tmp_path):
+    from runner.components.instruct import chat_template_text
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}\n{{ message['content'] }}\n")  # no endfor
+    with pytest.raises(UserError) as refused:
+        chat_template_text(str(broken), tokenizer)
+    (line,) = refused.value.problems
+    assert line.startswith(f"data.chat_template={broken}: the template does not parse: line 2: Unexpected end of "
+                           "template.") and "'endfor'" in line and "\n" not in line
+    with pytest.raises(UserError, match=r"^data.chat_template: the template does not parse: line 1: .*'endif'"):
+        chat_template_text("{% if messages %}{{ messages }}", tokenizer)
+
+
+# ---------------------------------------------------------------- run_clm's settings
+def test_text_settings_are_refused_with_instruction_formats(compose_spec):
+    from runner.config.validate import spec_problems
+
+    def problems(*overrides: str) -> list[str]:
+        return spec_problems(compose_spec("recipe=gpt2_sft_tiny", *overrides))
+
+    assert problems("data.text_column=text") == [
+        "data.text_column=text is for data.format=text; data.format=prompt_completion reads data.prompt_field and "
+        "data.completion_field. Set data.text_column=null (and name the records' fields there)."]
+    assert problems("data.keep_linebreaks=false") == [
+        "data.keep_linebreaks=false is for .txt files (data.format=text); data.format=prompt_completion reads JSON "
+        "records, whose text keeps its line breaks. Remove the override."]
+    assert problems("data.preprocessing_num_workers=2") == []  # honoured: the records are tokenized on 2
