@@ -1,11 +1,13 @@
 """Which checkpoint a run resumes from, and whether the new spec may continue it.
 
-Every setting of the spec is classified once (MATH, HARMLESS, BOOKKEEPING, LAYOUT_KEYS
-below; a test fails when a new field is in none): a change of one that breaks the math
-(model, data, optimizer, schedule, precision, strategy, seed) is refused; a harmless
-one (steps and cadence, kernels, memory and communication settings, where metrics go,
-timeouts) is accepted and printed; bookkeeping (the folder, the name, how the resume
-was asked for) is neither. The layout may change at the same global batch when the
+Every setting of the spec is classified once (MATH, HORIZON, HARMLESS, BOOKKEEPING,
+LAYOUT_KEYS below; a test fails when a new field is in none): a change of one that breaks
+the math (model, data, optimizer, the schedule's shape and peak, precision, strategy,
+seed) is refused; a change of the horizon (the steps the schedule is planned over) is
+accepted and the schedule planned again over the new total, saying how the rate moves
+(`schedule_note`); a harmless one (cadence, kernels, memory and communication settings,
+where metrics go, timeouts) is accepted and printed; bookkeeping (the folder, the name,
+how the resume was asked for) is neither. The layout may change at the same global batch when the
 position can continue at the exact sample. A run that is already finished is left
 alone, and a resume from an older checkpoint of the folder sets the newer branch aside
 rather than deleting it (`set_aside_newer_branch`).
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
 from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
@@ -62,6 +65,8 @@ MATH = frozenset({
     # while whether the non-finite verdict goes to the kernel was decided when the optimizer was
     # built (found_inf_optimizer, runner/distributed/strategy.py): the two would disagree.
     "optim.fused",
+    # The schedule's shape and peak (optim.lr above, its batch scaling): another recipe for
+    # the update, not a longer run of this one. Only its horizon may move (HORIZON).
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
     "train.seed",
     "precision.kind",
@@ -73,10 +78,17 @@ MATH = frozenset({
     "peft.kind", "peft.rank", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
 })
 
-# Accepted and printed (`resume: accepted change KEY: old -> new`): how long, how often, on
-# what, through which kernels, and where the numbers go; the update itself is the same.
+# Accepted and printed, and the schedule planned again over the new total: how long the
+# run is (num_epochs sets the total only while max_steps is null). Linear and cosine decay,
+# and warmup_ratio's warmup, are planned over the total, so each step after the checkpoint
+# trains at the new plan's rate (runner/components/optim.py: follow_plan), and
+# schedule_note says how the rate moves.
+HORIZON = frozenset({"train.max_steps", "train.num_epochs"})
+
+# Accepted and printed (`resume: accepted change KEY: old -> new`): how often, on what,
+# through which kernels, and where the numbers go; the update itself is the same.
 HARMLESS = frozenset({
-    "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
+    "train.log_every", "train.eval_every", "train.save_every",
     "train.keep_checkpoints", "train.per_device_eval_batch_size",
     "train.dataloader_num_workers",  # except for a stream, whose loader workers each read their own files (compare)
     "data.max_eval_samples", "data.cache_dir",  # evaluation only; a changed cache content is caught by its key
@@ -172,7 +184,7 @@ def compare(
         if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key in BOOKKEEPING:
             continue
         # a stream's loader workers each read their own files: their number is part of the order
-        is_harmless = key in HARMLESS and not (key == "train.dataloader_num_workers" and old.data.streaming)
+        is_harmless = key in HARMLESS | HORIZON and not (key == "train.dataloader_num_workers" and old.data.streaming)
         (harmless if is_harmless else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
@@ -282,7 +294,30 @@ def check_resume(
         read_random_states(file)  # a missing or torn one is named now, not found by one rank mid-start
     notes = [f"resuming from {path} (step {marker.get('step')})"]
     notes += [f"resume: accepted change {h}" for h in harmless]
+    old_total = marker.get("total_steps") or planned_total_steps(old, old_world, train_samples, marker)
+    replanned = schedule_note(spec, old_total, planned_total_steps(spec, world_size, train_samples, marker),
+                              int(marker["step"]), global_batch(spec.train, world_size))
+    notes += [replanned] if replanned else []
     return ResumePlan(path, notes, marker, finished_message(spec, run_dir, path, marker, world_size, train_samples))
+
+
+def schedule_note(spec: RunSpec, old_total: Optional[int], new_total: Optional[int], step: int,
+                  batch: int) -> Optional[str]:
+    """How the rate moves when a resume plans the schedule over another total (a HORIZON
+    change): the rate the first resumed step trains at by the new plan, against the old
+    plan's, and where the new plan ends. None when no rate moves, or no step is left."""
+    if old_total is None or new_total is None or old_total == new_total or new_total <= step:
+        return None
+    schedule = spec.schedule
+    if not horizon_matters(schedule, old_total, new_total):
+        return None
+    lr = effective_lr(spec.optim, batch)
+    before, now = warmup_steps(schedule, old_total), warmup_steps(schedule, new_total)
+    warmup = f"{now} warmup steps" + (f" (were {before})" if now != before else "")
+    return (f"resume: the {schedule.kind.value} schedule is planned again over {new_total} steps (was {old_total}; "
+            f"{warmup}): step {step + 1} trains at lr {planned_rate(schedule, lr, new_total, step):.4g}, where the "
+            f"old plan had {planned_rate(schedule, lr, old_total, step):.4g}, and the rate follows the new plan to "
+            f"{planned_rate(schedule, lr, new_total, new_total - 1):.4g} at step {new_total}")
 
 
 def planned_total_steps(spec: RunSpec, world_size: int, train_samples: Optional[int], marker: dict[str, Any]) -> Optional[int]:
@@ -393,3 +428,4 @@ def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Option
     aside, moved = _set_aside(run_dir, f"after_step_{step}", newer, results)  # the worker cuts metrics.jsonl to `step`
     newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
     return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"
+

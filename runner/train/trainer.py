@@ -143,6 +143,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops  # all devices together
         self.last_checkpoint: Optional[Path] = None
+        self.step_lr = float("nan")  # the rate the last optimizer step trained at (metrics' lr)
         # data.streaming=true: train_loader is this rank's own stateful loader (not prepared
         # by Accelerate), its position saved with each checkpoint (see _stream_batches).
         self.stream = stream
@@ -463,6 +464,7 @@ class Trainer:
             self._count_compile()
             if acc.sync_gradients:
                 self._check_finite(loss)
+                self.step_lr = self.scheduler.get_last_lr()[0]  # logged as this step's, as transformers' Trainer does
                 if self._optimizer_step():
                     # Stepped here, once per optimizer step, never by Accelerate per process.
                     self.scheduler.step()
@@ -587,7 +589,7 @@ class Trainer:
             # a stream's passes so far (its length is unknown until read through)
             "epoch": s.epoch if self.stream else round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
             "loss": mean,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.step_lr,
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": rate * plan.global_batch_size,

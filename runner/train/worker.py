@@ -53,7 +53,7 @@ from runner.components.model import (
     layer_parameters,
     max_positions,
 )
-from runner.components.optim import build_optimizer, build_scheduler, effective_lr
+from runner.components.optim import build_optimizer, build_scheduler, effective_lr, follow_plan
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.spec import SPEC_FILENAME, DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
@@ -382,12 +382,15 @@ def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer,
                     "it sums in another order, so the continuation matches an uninterrupted run within float "
                     "rounding, not bit for bit.")
     if not needs_reshard(old.strategy.kind.value, spec.strategy.kind.value, old_world, accelerator.num_processes):
-        return load_checkpoint(accelerator, checkpoint)
-    if accelerator.is_main_process:
-        log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
-                 f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
-    return load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
-                       trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
+        meta = load_checkpoint(accelerator, checkpoint)
+    else:
+        if accelerator.is_main_process:
+            log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
+                     f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
+        meta = load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
+                           trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
+    follow_plan(trainer.scheduler)  # the loaded rate is the checkpoint's plan's; the steps ahead follow this run's
+    return meta
 
 
 # ---------------------------------------------------------------------- the run

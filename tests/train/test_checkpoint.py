@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -188,6 +189,17 @@ def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_i
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["train_steps"] == 6 and results["resumed_from_step"] == 4 and results["train_steps_per_second"] > 0
+    # The recipe's cosine (lr 2e-3, 2 warmup steps) planned again over 6 steps: step k
+    # trains at the plan's rate after k - 1 steps, the resumed ones from the first.
+    def plan(done: int, total: int, lr: float = 2e-3, warmup: int = 2) -> float:
+        return lr * done / warmup if done < warmup else lr * (1 + math.cos(math.pi * (done - warmup) / (total - warmup))) / 2
+
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = {row["step"]: row["lr"] for row in logged if "loss" in row}
+    assert rates == pytest.approx({k: plan(k - 1, 4 if k <= 4 else 6) for k in range(1, 7)}, rel=1e-12, abs=0)
+    assert (f"resume: the cosine schedule is planned again over 6 steps (was 4; 2 warmup steps): step 5 trains at lr "
+            f"{plan(4, 6):.4g}, where the old plan had 0, and the rate follows the new plan to {plan(5, 6):.4g} at step 6"
+            ) in longer.stderr
 
 
 @pytest.mark.e2e
