@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
 from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
 from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
@@ -352,6 +353,8 @@ def finished_message(spec: RunSpec, run_dir: Path, checkpoint: Path, marker: dic
     step, total = int(marker["step"]), planned_total_steps(spec, world_size, train_samples, marker)
     if total is None or step < total or _results_step(run_dir) != step:
         return None  # more steps to take, or the results were never written (a kill after the last save)
+    if not all(p.is_dir() for p in output_folders(spec, run_dir)):
+        return None  # the model was removed since: the worker writes it again, and nothing else
     past = "" if step == total else f" (past this spec's {total})"
     return (f"the run in {run_dir} is finished: step {step}{past}, results in all_results.json. Nothing to do; "
             "every file is left as it was. To train further, raise train.max_steps (or train.num_epochs) with resume=auto.")
@@ -429,3 +432,73 @@ def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Option
     newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
     return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"
 
+
+@dataclass
+class Recorded:
+    """What a resume that runs no step (at its last step: a restart after the final
+    checkpoint, or a run finished off) finds already written for that step, so it is not
+    done again: the final evaluation, the results, the model."""
+
+    evaluation: Optional[dict[str, Any]] = None  # reused rather than run again
+    source: str = ""  # the file it came from
+    results: bool = False  # all_results.json was written at this step
+    outputs: bool = False  # and model/ (or adapter/) before it: complete
+
+    def note(self, step: int) -> Optional[str]:
+        if self.results and self.outputs:
+            return f"resume: step {step} is this run's last and its results and model are written: nothing to redo"
+        if self.evaluation is None:
+            return None
+        return (f"resume: step {step}'s final evaluation is recorded in {self.source} (eval_loss "
+                f"{self.evaluation['eval_loss']:.4f}): reused, not run again")
+
+
+def output_folders(spec: RunSpec, run_dir: Path) -> list[Path]:
+    """What the end of a run writes beside its results (worker.save_outputs): model/, or
+    adapter/ and, with peft.save_merged, model/ too."""
+    if not uses_adapters(spec.peft):
+        return [run_dir / "model"]
+    return [run_dir / ADAPTER_DIRNAME] + ([run_dir / "model"] if spec.peft.save_merged else [])
+
+
+def recorded_at_end(run_dir: Path, step: int, checkpoint_spec: RunSpec, spec: RunSpec, eval_samples: int) -> Recorded:
+    """What this folder already holds for `step`, the last step of a resume that runs none.
+
+    Results count only when all_results.json names this step (written after model/, so
+    that is complete then). The final evaluation is reused from eval_results.json beside
+    them, else from metrics.jsonl's evaluation line at this step (logged before a kill
+    could stop the results), when the evaluation data is the checkpoint's
+    (data.max_eval_samples may change on a resume)."""
+    results = _results_step(run_dir) == step
+    found = Recorded(results=results, outputs=results and all(p.is_dir() for p in output_folders(spec, run_dir)))
+    if checkpoint_spec.data.max_eval_samples != spec.data.max_eval_samples:
+        return found
+    if results:
+        try:
+            found.evaluation, found.source = dict(json.loads((run_dir / "eval_results.json").read_text())), "eval_results.json"
+            return found
+        except (OSError, ValueError, TypeError):
+            pass
+    row = _logged_evaluation(run_dir / "metrics.jsonl", step)
+    if row is not None:
+        found.evaluation = {**row, "eval_samples": eval_samples, "eval_runtime": None, "eval_samples_per_second": None}
+        found.source = "metrics.jsonl"
+    return found
+
+
+def _logged_evaluation(path: Path, step: int) -> Optional[dict[str, float]]:
+    """The last evaluation metrics.jsonl logged at `step` (eval_loss, perplexity, eval_accuracy)."""
+    keys = ("eval_loss", "perplexity", "eval_accuracy")
+    found = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by kill -9 mid-write
+            continue
+        if isinstance(row, dict) and row.get("step") == step and all(k in row for k in keys):
+            found = {k: row[k] for k in keys}
+    return found

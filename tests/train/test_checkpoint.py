@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,14 +213,36 @@ def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
     first = json.loads((run_dir / "all_results.json").read_text())
     for name in ("all_results.json", "train_results.json", "eval_results.json"):
         (run_dir / name).unlink()
-    resume_ok(run_dir)
+    def files(where: Path) -> dict[str, int]:
+        return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(where.rglob("*")) if p.is_file()}
+
+    checkpoint, metrics = files(run_dir / "checkpoints"), (run_dir / "metrics.jsonl").read_text()
+    done = resume_ok(run_dir)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["resumed_from_step"] == 4 and results["train_steps"] == 4
     assert [results[k] for k in ("train_steps_per_second", "train_samples_per_second", "train_tokens_per_second",
                                  "train_mfu")] == [None] * 4
     assert results["eval_loss"] == first["eval_loss"] and results["train_loss"] == first["train_loss"]
+    # Nothing done twice: the final checkpoint is neither saved again nor set aside, and
+    # the final evaluation logged before the kill is reused (it ran no evaluation: no runtime).
+    assert files(run_dir / "checkpoints") == checkpoint and not (run_dir / "abandoned").exists()
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (f"resume: step 4's final evaluation is recorded in metrics.jsonl (eval_loss {first['eval_loss']:.4f}): "
+            "reused, not run again") in done.stderr
+    assert results["eval_runtime"] is None and results["eval_samples"] == first["eval_samples"]
     evals = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert evals == [4]  # the final evaluation once
+
+    # Results written but the model removed: the model is written again, and only it.
+    from transformers import AutoModelForCausalLM
+
+    shutil.rmtree(run_dir / "model")
+    recorded = {name: (run_dir / name).read_bytes() for name in ("all_results.json", "eval_results.json")}
+    again = resume_ok(run_dir)
+    assert "results and model are written" not in again.stderr and "recorded in eval_results.json" in again.stderr
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "model") is not None
+    assert {name: (run_dir / name).read_bytes() for name in recorded} == recorded
+    assert files(run_dir / "checkpoints") == checkpoint and not (run_dir / "abandoned").exists()
 
 
 @pytest.mark.e2e
