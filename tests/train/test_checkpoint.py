@@ -205,8 +205,9 @@ def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_i
 
 @pytest.mark.e2e
 def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
-    """Killed after the final checkpoint, before the results: the resume evaluates and
-    writes them; it ran no step, so it measured no rate (not a rate of 0)."""
+    """Killed after the final checkpoint, before the results: the resume writes them,
+    doing nothing twice (no checkpoint saved or set aside, the logged final evaluation
+    reused); it ran no step, so it measured no rate (not a rate of 0)."""
     run_dir = tmp_path / "run"
     done = subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
