@@ -60,3 +60,35 @@ def build_scheduler(
         num_warmup_steps=warmup_steps(spec, total_steps),
         num_training_steps=total_steps,
     )
+
+
+def horizon_matters(spec: ScheduleSpec, old_total: int, new_total: int) -> bool:
+    """Whether planning this schedule over `new_total` steps instead of `old_total` moves
+    any rate: linear and cosine decay over the total, and warmup_ratio's warmup is a
+    share of it."""
+    return spec.kind is not ScheduleKind.constant or warmup_steps(spec, old_total) != warmup_steps(spec, new_total)
+
+
+def planned_rate(spec: ScheduleSpec, lr: float, total_steps: int, step: int) -> float:
+    """The rate the optimizer step after `step` completed steps trains at, by this
+    schedule over `total_steps` (the very lambda build_scheduler plans with)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    return lr * build_scheduler(spec, probe, total_steps).lr_lambdas[0](step)
+
+
+def follow_plan(scheduler: "torch.optim.lr_scheduler.LambdaLR") -> list[float]:
+    """After a checkpoint's scheduler and optimizer states are loaded: set the rates of the
+    next step to what this run's plan gives at the restored step, and return them.
+
+    The loaded state holds the rate the checkpoint's own plan gave there (the scheduler's
+    last rates and each optimizer group's lr), while the plan itself is this run's: the
+    lambdas are not saved (functools.partial keeps nothing in __dict__, so LambdaLR's
+    load_state_dict leaves them alone). With another horizon (train.max_steps raised) the
+    first resumed step would train at the old plan's rate (0 at a cosine's end) and the
+    next jump to the new plan's. LambdaLR's own formula, so an unchanged plan gives the
+    stored rates back bit for bit."""
+    rates = [base * rate(scheduler.last_epoch) for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates  # what get_last_lr() reads; step() sets it the same way
+    return rates

@@ -1,11 +1,13 @@
 """Which checkpoint a run resumes from, and whether the new spec may continue it.
 
-Every setting of the spec is classified once (MATH, HARMLESS, BOOKKEEPING, LAYOUT_KEYS
-below; a test fails when a new field is in none): a change of one that breaks the math
-(model, data, optimizer, schedule, precision, strategy, seed) is refused; a harmless
-one (steps and cadence, kernels, memory and communication settings, where metrics go,
-timeouts) is accepted and printed; bookkeeping (the folder, the name, how the resume
-was asked for) is neither. The layout may change at the same global batch when the
+Every setting of the spec is classified once (MATH, HORIZON, HARMLESS, BOOKKEEPING,
+LAYOUT_KEYS below; a test fails when a new field is in none): a change of one that breaks
+the math (model, data, optimizer, the schedule's shape and peak, precision, strategy,
+seed) is refused; a change of the horizon (the steps the schedule is planned over) is
+accepted and the schedule planned again over the new total, saying how the rate moves
+(`schedule_note`); a harmless one (cadence, kernels, memory and communication settings,
+where metrics go, timeouts) is accepted and printed; bookkeeping (the folder, the name,
+how the resume was asked for) is neither. The layout may change at the same global batch when the
 position can continue at the exact sample. A run that is already finished is left
 alone, and a resume from an older checkpoint of the folder sets the newer branch aside
 rather than deleting it (`set_aside_newer_branch`).
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
+from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
 from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
@@ -62,6 +66,8 @@ MATH = frozenset({
     # while whether the non-finite verdict goes to the kernel was decided when the optimizer was
     # built (found_inf_optimizer, runner/distributed/strategy.py): the two would disagree.
     "optim.fused",
+    # The schedule's shape and peak (optim.lr above, its batch scaling): another recipe for
+    # the update, not a longer run of this one. Only its horizon may move (HORIZON).
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
     "train.seed",
     "precision.kind",
@@ -73,10 +79,17 @@ MATH = frozenset({
     "peft.kind", "peft.rank", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
 })
 
-# Accepted and printed (`resume: accepted change KEY: old -> new`): how long, how often, on
-# what, through which kernels, and where the numbers go; the update itself is the same.
+# Accepted and printed, and the schedule planned again over the new total: how long the
+# run is (num_epochs sets the total only while max_steps is null). Linear and cosine decay,
+# and warmup_ratio's warmup, are planned over the total, so each step after the checkpoint
+# trains at the new plan's rate (runner/components/optim.py: follow_plan), and
+# schedule_note says how the rate moves.
+HORIZON = frozenset({"train.max_steps", "train.num_epochs"})
+
+# Accepted and printed (`resume: accepted change KEY: old -> new`): how often, on what,
+# through which kernels, and where the numbers go; the update itself is the same.
 HARMLESS = frozenset({
-    "train.max_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.save_every",
+    "train.log_every", "train.eval_every", "train.save_every",
     "train.keep_checkpoints", "train.per_device_eval_batch_size",
     "train.dataloader_num_workers",  # except for a stream, whose loader workers each read their own files (compare)
     "data.max_eval_samples", "data.cache_dir",  # evaluation only; a changed cache content is caught by its key
@@ -164,7 +177,7 @@ def compare(
         if a.get(key) == b.get(key) or key in LAYOUT_KEYS or key in BOOKKEEPING:
             continue
         # a stream's loader workers each read their own files: their number is part of the order
-        is_harmless = key in HARMLESS and not (key == "train.dataloader_num_workers" and old.data.streaming)
+        is_harmless = key in HARMLESS | HORIZON and not (key == "train.dataloader_num_workers" and old.data.streaming)
         (harmless if is_harmless else breaking).append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     old_batch, new_batch = global_batch(old.train, old_world), global_batch(new.train, new_world)
     if old_batch != new_batch:
@@ -274,7 +287,30 @@ def check_resume(
         read_random_states(file)  # a missing or torn one is named now, not found by one rank mid-start
     notes = [f"resuming from {path} (step {marker.get('step')})"]
     notes += [f"resume: accepted change {h}" for h in harmless]
+    old_total = marker.get("total_steps") or planned_total_steps(old, old_world, train_samples, marker)
+    replanned = schedule_note(spec, old_total, planned_total_steps(spec, world_size, train_samples, marker),
+                              int(marker["step"]), global_batch(spec.train, world_size))
+    notes += [replanned] if replanned else []
     return ResumePlan(path, notes, marker, finished_message(spec, run_dir, path, marker, world_size, train_samples))
+
+
+def schedule_note(spec: RunSpec, old_total: Optional[int], new_total: Optional[int], step: int,
+                  batch: int) -> Optional[str]:
+    """How the rate moves when a resume plans the schedule over another total (a HORIZON
+    change): the rate the first resumed step trains at by the new plan, against the old
+    plan's, and where the new plan ends. None when no rate moves, or no step is left."""
+    if old_total is None or new_total is None or old_total == new_total or new_total <= step:
+        return None
+    schedule = spec.schedule
+    if not horizon_matters(schedule, old_total, new_total):
+        return None
+    lr = effective_lr(spec.optim, batch)
+    before, now = warmup_steps(schedule, old_total), warmup_steps(schedule, new_total)
+    warmup = f"{now} warmup steps" + (f" (were {before})" if now != before else "")
+    return (f"resume: the {schedule.kind.value} schedule is planned again over {new_total} steps (was {old_total}; "
+            f"{warmup}): step {step + 1} trains at lr {planned_rate(schedule, lr, new_total, step):.4g}, where the "
+            f"old plan had {planned_rate(schedule, lr, old_total, step):.4g}, and the rate follows the new plan to "
+            f"{planned_rate(schedule, lr, new_total, new_total - 1):.4g} at step {new_total}")
 
 
 def planned_total_steps(spec: RunSpec, world_size: int, train_samples: Optional[int], marker: dict[str, Any]) -> Optional[int]:
@@ -309,6 +345,8 @@ def finished_message(spec: RunSpec, run_dir: Path, checkpoint: Path, marker: dic
     step, total = int(marker["step"]), planned_total_steps(spec, world_size, train_samples, marker)
     if total is None or step < total or _results_step(run_dir) != step:
         return None  # more steps to take, or the results were never written (a kill after the last save)
+    if not all(p.is_dir() for p in output_folders(spec, run_dir)):
+        return None  # the model was removed since: the worker writes it again, and nothing else
     past = "" if step == total else f" (past this spec's {total})"
     return (f"the run in {run_dir} is finished: step {step}{past}, results in all_results.json. Nothing to do; "
             "every file is left as it was. To train further, raise train.max_steps (or train.num_epochs) with resume=auto.")
@@ -385,3 +423,74 @@ def set_aside_newer_branch(run_dir: Path, checkpoint: Path, step: int) -> Option
     aside, moved = _set_aside(run_dir, f"after_step_{step}", newer, results)  # the worker cuts metrics.jsonl to `step`
     newest = f"newest checkpoint ({newer[-1].name})" if newer else f"results (step {results_step})"
     return f"resume: {checkpoint.name} is older than this folder's {newest}; set the newer branch aside in {aside}: {', '.join(moved)}"
+
+
+@dataclass
+class Recorded:
+    """What a resume that runs no step (at its last step: a restart after the final
+    checkpoint, or a run finished off) finds already written for that step, so it is not
+    done again: the final evaluation, the results, the model."""
+
+    evaluation: Optional[dict[str, Any]] = None  # reused rather than run again
+    source: str = ""  # the file it came from
+    results: bool = False  # all_results.json was written at this step
+    outputs: bool = False  # and model/ (or adapter/) before it: complete
+
+    def note(self, step: int) -> Optional[str]:
+        if self.results and self.outputs:
+            return f"resume: step {step} is this run's last and its results and model are written: nothing to redo"
+        if self.evaluation is None:
+            return None
+        return (f"resume: step {step}'s final evaluation is recorded in {self.source} (eval_loss "
+                f"{self.evaluation['eval_loss']:.4f}): reused, not run again")
+
+
+def output_folders(spec: RunSpec, run_dir: Path) -> list[Path]:
+    """What the end of a run writes beside its results (worker.save_outputs): model/, or
+    adapter/ and, with peft.save_merged, model/ too."""
+    if not uses_adapters(spec.peft):
+        return [run_dir / "model"]
+    return [run_dir / ADAPTER_DIRNAME] + ([run_dir / "model"] if spec.peft.save_merged else [])
+
+
+def recorded_at_end(run_dir: Path, step: int, checkpoint_spec: RunSpec, spec: RunSpec, eval_samples: int) -> Recorded:
+    """What this folder already holds for `step`, the last step of a resume that runs none.
+
+    Results count only when all_results.json names this step (written after model/, so
+    that is complete then). The final evaluation is reused from eval_results.json beside
+    them, else from metrics.jsonl's evaluation line at this step (logged before a kill
+    could stop the results), when the evaluation data is the checkpoint's
+    (data.max_eval_samples may change on a resume)."""
+    results = _results_step(run_dir) == step
+    found = Recorded(results=results, outputs=results and all(p.is_dir() for p in output_folders(spec, run_dir)))
+    if checkpoint_spec.data.max_eval_samples != spec.data.max_eval_samples:
+        return found
+    if results:
+        try:
+            found.evaluation, found.source = dict(json.loads((run_dir / "eval_results.json").read_text())), "eval_results.json"
+            return found
+        except (OSError, ValueError, TypeError):
+            pass
+    row = _logged_evaluation(run_dir / "metrics.jsonl", step)
+    if row is not None:
+        found.evaluation = {**row, "eval_samples": eval_samples, "eval_runtime": None, "eval_samples_per_second": None}
+        found.source = "metrics.jsonl"
+    return found
+
+
+def _logged_evaluation(path: Path, step: int) -> Optional[dict[str, float]]:
+    """The last evaluation metrics.jsonl logged at `step` (eval_loss, perplexity, eval_accuracy)."""
+    keys = ("eval_loss", "perplexity", "eval_accuracy")
+    found = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by kill -9 mid-write
+            continue
+        if isinstance(row, dict) and row.get("step") == step and all(k in row for k in keys):
+            found = {k: row[k] for k in keys}
+    return found

@@ -146,6 +146,9 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops  # all devices together
         self.last_checkpoint: Optional[Path] = None
+        self.step_lr = float("nan")  # the rate the last optimizer step trained at (metrics' lr)
+        # The final evaluation a resume at the last step found recorded (worker.py): reused, not run again
+        self.final_eval: Optional[dict[str, Any]] = None
         # data.streaming=true: train_loader is this rank's own stateful loader (not prepared
         # by Accelerate), its position saved with each checkpoint (see _stream_batches).
         self.stream = stream
@@ -215,7 +218,7 @@ class Trainer:
         self.ledger = self._ledger_now()  # the loop is over: its steps' time is final
         self._loop_started = None
         self._read_verdict()
-        eval_results = self._evaluate_and_log(None)
+        eval_results = self.final_eval if self.final_eval is not None else self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
 
     def _ledger_now(self) -> Ledger:
@@ -412,6 +415,8 @@ class Trainer:
             self.train_loader.load_state_dict(load_rank_state(checkpoint, self.accelerator.process_index)["data"])
         s.step, s.epoch = int(meta["step"]), int(meta["epoch"])
         s.start_step = s.step
+        if checkpoint is not None and checkpoint.resolve() == self._checkpoint_path().resolve():
+            self.last_checkpoint = self._checkpoint_path()  # this folder's own: not saved again at the end
         self.ledger = resumed(self.run_dir, self.ledger.launch, s.step)
         if "samples_in_epoch" in meta:
             s.samples_in_epoch = int(meta["samples_in_epoch"])
@@ -469,6 +474,7 @@ class Trainer:
             self._count_compile()
             if acc.sync_gradients:
                 self._check_finite(loss)
+                self.step_lr = self.scheduler.get_last_lr()[0]  # logged as this step's, as transformers' Trainer does
                 if self._optimizer_step():
                     # Stepped here, once per optimizer step, never by Accelerate per process.
                     self.scheduler.step()
@@ -593,7 +599,7 @@ class Trainer:
             # a stream's passes so far (its length is unknown until read through)
             "epoch": s.epoch if self.stream else round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
             "loss": mean,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.step_lr,
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": rate * plan.global_batch_size,

@@ -54,7 +54,7 @@ from runner.components.model import (
     layer_parameters,
     max_positions,
 )
-from runner.components.optim import build_optimizer, build_scheduler, effective_lr
+from runner.components.optim import build_optimizer, build_scheduler, effective_lr, follow_plan
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.spec import SPEC_FILENAME, DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
@@ -75,7 +75,7 @@ from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.ledger import LAUNCH_TIME_ENV, stamp_launch
 from runner.train.ledger import report as ledger_report
 from runner.train.reshard import load_across, needs_reshard
-from runner.train.resume import resolve
+from runner.train.resume import Recorded, recorded_at_end, resolve
 from runner.train.rng import loader_generator, seed_training_stream
 from runner.train.signals import EXIT_CODES, Stopped
 from runner.train.trainer import NoStepInPass, NonFiniteLoss, Trainer
@@ -173,7 +173,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
                            data_record(spec, data))
-    restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
+    recorded = restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
     train_results, eval_results = fit(spec, accelerator, trainer, run_dir)
@@ -186,7 +186,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
         _close(accelerator)
         return {}
     return finish(spec, strategy, accelerator, trainer, model, built.tokenizer, data, run_dir, before_model_mb,
-                  train_results, eval_results)
+                  train_results, eval_results, recorded)
 
 
 # ---------------------------------------------------------------------- setup steps
@@ -355,25 +355,38 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     )
 
 
-def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path, config: Any) -> None:
+def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path,
+                         config: Any) -> Recorded:
     """Each rank's random state: seeded here for the loop, saved with every checkpoint,
-    and restored from one after all setup (see runner/train/rng.py)."""
+    and restored from one after all setup (see runner/train/rng.py). Returns what the
+    folder already holds for the last step when the resume lands on it (no step to run)."""
     seed_training_stream(spec.train.seed)
     resume_from = _resume_point(spec, run_dir)
+    recorded = Recorded()
     if resume_from is not None:
         meta = load_resume_point(spec, accelerator, trainer, resume_from)
         trainer.restore(meta, resume_from)
+        if trainer.state.step >= trainer.plan.total_steps:  # rank 0's reading, so every rank skips the same collectives
+            found = [recorded_at_end(run_dir, trainer.state.step, load_spec(resume_from / SPEC_FILENAME), spec,
+                                     trainer.plan.eval_blocks) if accelerator.is_main_process else None]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(found, src=0)
+            recorded = found[0]
+            trainer.final_eval = recorded.evaluation
         if accelerator.is_main_process:
             log.info(f"resumed from {resume_from} at step {trainer.state.step}")
             note = inexact_layout_note(meta, trainer.plan, {**active_dropout(config), **adapter_dropout(spec.peft)})
             if note:
                 log.warning(f"runner: note: {note}")
+            if recorded.note(trainer.state.step):
+                log.info(recorded.note(trainer.state.step))
     if accelerator.is_main_process:
         # Lines past the step this run starts from are logged again: after a resume, or
         # after a restart (launch.max_restarts) of an attempt that died before its first
         # checkpoint. metrics.jsonl then holds each step once.
         truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step,
-                         final_eval_again=trainer.state.step >= trainer.plan.total_steps)
+                         final_eval_again=trainer.state.step >= trainer.plan.total_steps and recorded.evaluation is None)
+    return recorded
 
 
 def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, checkpoint: Path) -> dict[str, Any]:
@@ -387,12 +400,15 @@ def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer,
                     "it sums in another order, so the continuation matches an uninterrupted run within float "
                     "rounding, not bit for bit.")
     if not needs_reshard(old.strategy.kind.value, spec.strategy.kind.value, old_world, accelerator.num_processes):
-        return load_checkpoint(accelerator, checkpoint)
-    if accelerator.is_main_process:
-        log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
-                 f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
-    return load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
-                       trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
+        meta = load_checkpoint(accelerator, checkpoint)
+    else:
+        if accelerator.is_main_process:
+            log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
+                     f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
+        meta = load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
+                           trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
+    follow_plan(trainer.scheduler)  # the loaded rate is the checkpoint's plan's; the steps ahead follow this run's
+    return meta
 
 
 # ---------------------------------------------------------------------- the run
@@ -428,8 +444,10 @@ def fit(spec: RunSpec, accelerator: Accelerator, trainer: Trainer, run_dir: Path
 
 def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer: Trainer, model: Any, tokenizer: Any,
            data: PreparedData | StreamedData, run_dir: Path, before_model_mb: float, train_results: dict[str, Any],
-           eval_results: dict[str, float]) -> dict[str, Any]:
-    """Check the ranks agree, checkpoint the final state, save model/ and the results."""
+           eval_results: dict[str, float], recorded: Optional[Recorded] = None) -> dict[str, Any]:
+    """Check the ranks agree, checkpoint the final state, save model/ and the results,
+    except what a resume at the last step found written (`recorded`)."""
+    recorded = recorded or Recorded()
     fingerprints = rank_fingerprints(accelerator, model, strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
@@ -443,10 +461,13 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     if spec.train.save_every and trainer.last_checkpoint != checkpoint_dir(run_dir, trainer.state.step):
         trainer.save_checkpoint()  # the final state is always resumable
     started = time.perf_counter()
-    save_outputs(spec, strategy, accelerator, model, tokenizer, run_dir)
+    if not recorded.outputs:
+        save_outputs(spec, strategy, accelerator, model, tokenizer, run_dir)
     trainer.ledger.add("checkpoint_saves", time.perf_counter() - started)  # model/ (or adapter/)
     results: dict[str, Any] = {}
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and recorded.results:
+        results = json.loads((run_dir / "all_results.json").read_text())  # as written at this step, left as it is
+    elif accelerator.is_main_process:
         train_results["goodput"] = ledger_report(trainer.ledger, time.time() - trainer.ledger.launch,
                                                  trainer.state.step, spec.train.save_every, spec.launch.mtbf_hours)
         train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,26 +190,60 @@ def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_i
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["train_steps"] == 6 and results["resumed_from_step"] == 4 and results["train_steps_per_second"] > 0
+    # The recipe's cosine (lr 2e-3, 2 warmup steps) planned again over 6 steps: step k
+    # trains at the plan's rate after k - 1 steps, the resumed ones from the first.
+    def plan(done: int, total: int, lr: float = 2e-3, warmup: int = 2) -> float:
+        return lr * done / warmup if done < warmup else lr * (1 + math.cos(math.pi * (done - warmup) / (total - warmup))) / 2
+
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = {row["step"]: row["lr"] for row in logged if "loss" in row}
+    assert rates == pytest.approx({k: plan(k - 1, 4 if k <= 4 else 6) for k in range(1, 7)}, rel=1e-12, abs=0)
+    assert (f"resume: the cosine schedule is planned again over 6 steps (was 4; 2 warmup steps): step 5 trains at lr "
+            f"{plan(4, 6):.4g}, where the old plan had 0, and the rate follows the new plan to {plan(5, 6):.4g} at step 6"
+            ) in longer.stderr
 
 
 @pytest.mark.e2e
 def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
-    """Killed after the final checkpoint, before the results: the resume evaluates and
-    writes them; it ran no step, so it measured no rate (not a rate of 0)."""
+    """Killed after the final checkpoint, before the results: the resume writes them,
+    doing nothing twice (no checkpoint saved or set aside, the logged final evaluation
+    reused); it ran no step, so it measured no rate (not a rate of 0)."""
     run_dir = tmp_path / "run"
     done = subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     first = json.loads((run_dir / "all_results.json").read_text())
     for name in ("all_results.json", "train_results.json", "eval_results.json"):
         (run_dir / name).unlink()
-    resume_ok(run_dir)
+    def files(where: Path) -> dict[str, int]:
+        return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(where.rglob("*")) if p.is_file()}
+
+    checkpoint, metrics = files(run_dir / "checkpoints"), (run_dir / "metrics.jsonl").read_text()
+    done = resume_ok(run_dir)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["resumed_from_step"] == 4 and results["train_steps"] == 4
     assert [results[k] for k in ("train_steps_per_second", "train_samples_per_second", "train_tokens_per_second",
                                  "train_mfu")] == [None] * 4
     assert results["eval_loss"] == first["eval_loss"] and results["train_loss"] == first["train_loss"]
+    # Nothing done twice: the final checkpoint is neither saved again nor set aside, and
+    # the final evaluation logged before the kill is reused (it ran no evaluation: no runtime).
+    assert files(run_dir / "checkpoints") == checkpoint and not (run_dir / "abandoned").exists()
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (f"resume: step 4's final evaluation is recorded in metrics.jsonl (eval_loss {first['eval_loss']:.4f}): "
+            "reused, not run again") in done.stderr
+    assert results["eval_runtime"] is None and results["eval_samples"] == first["eval_samples"]
     evals = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert evals == [4]  # the final evaluation once
+
+    # Results written but the model removed: the model is written again, and only it.
+    from transformers import AutoModelForCausalLM
+
+    shutil.rmtree(run_dir / "model")
+    recorded = {name: (run_dir / name).read_bytes() for name in ("all_results.json", "eval_results.json")}
+    again = resume_ok(run_dir)
+    assert "results and model are written" not in again.stderr and "recorded in eval_results.json" in again.stderr
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "model") is not None
+    assert {name: (run_dir / name).read_bytes() for name in recorded} == recorded
+    assert files(run_dir / "checkpoints") == checkpoint and not (run_dir / "abandoned").exists()
 
 
 @pytest.mark.e2e

@@ -105,8 +105,43 @@ def test_a_finished_run_is_found_finished_only_at_its_end_with_its_results(compo
     assert finished_message(compose_spec("train.max_steps=12"), run_dir, newest, {"step": 8}, 1, 64) is None  # more to train
     older = run_dir / "checkpoints" / "step_4"
     assert finished_message(compose_spec("train.max_steps=4"), run_dir, older, {"step": 4}, 1, 64) is None  # a branch
+    (run_dir / "model").rename(run_dir / "removed")  # the results, but no model: the worker writes it again
+    assert finished_message(compose_spec("train.max_steps=8"), run_dir, newest, {"step": 8}, 1, 64) is None
+    (run_dir / "removed").rename(run_dir / "model")
     (run_dir / "all_results.json").unlink()  # killed after the last save, before the results
     assert finished_message(compose_spec("train.max_steps=8"), run_dir, newest, {"step": 8}, 1, 64) is None
+
+
+def test_a_resume_at_the_last_step_finds_what_is_written_for_it(compose_spec, tmp_path):
+    """The final evaluation is reused from eval_results.json beside results of that step,
+    else from metrics.jsonl's line at that step, and only on the same evaluation data."""
+    import json
+
+    from runner.train.resume import recorded_at_end
+
+    spec = compose_spec("train.max_steps=8", "data.max_eval_samples=16")
+    run_dir = _folder(tmp_path, [8], results_step=8)
+    full = {"eval_loss": 9.5, "perplexity": 13359.7, "eval_accuracy": 0.1, "eval_samples": 16, "eval_runtime": 0.4,
+            "eval_samples_per_second": 40.0}
+    (run_dir / "eval_results.json").write_text(json.dumps(full))
+    logged = {"eval_loss": 9.25, "perplexity": 10404.6, "eval_accuracy": 0.125}
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 4, "eval_loss": 1.0, "perplexity": 2.7, "eval_accuracy": 0.5}) + "\n")
+        f.write(json.dumps({"step": 8, **logged}) + "\n" + '{"step": 8, "eval_l')  # a line torn by kill -9
+    found = recorded_at_end(run_dir, 8, spec, spec, eval_samples=16)
+    assert (found.results, found.outputs, found.evaluation, found.source) == (True, True, full, "eval_results.json")
+    assert found.note(8) == "resume: step 8 is this run's last and its results and model are written: nothing to redo"
+    (run_dir / "model").rmdir()
+    assert recorded_at_end(run_dir, 8, spec, spec, eval_samples=16).outputs is False
+    (run_dir / "all_results.json").unlink()  # killed before the results: the evaluation line logged before it
+    found = recorded_at_end(run_dir, 8, spec, spec, eval_samples=16)
+    assert (found.results, found.source) == (False, "metrics.jsonl")
+    assert found.evaluation == {**logged, "eval_samples": 16, "eval_runtime": None, "eval_samples_per_second": None}
+    assert found.note(8) == ("resume: step 8's final evaluation is recorded in metrics.jsonl (eval_loss 9.2500): reused, "
+                             "not run again")
+    other = compose_spec("train.max_steps=8", "data.max_eval_samples=32")  # other evaluation data: run it again
+    assert recorded_at_end(run_dir, 8, spec, other, eval_samples=32).evaluation is None
+    assert recorded_at_end(run_dir, 6, spec, spec, eval_samples=16).evaluation is None  # nothing logged at step 6
 
 
 def test_an_epoch_count_is_planned_as_the_worker_plans_it(compose_spec):

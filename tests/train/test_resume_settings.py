@@ -5,21 +5,22 @@ resume=PATH must name."""
 from __future__ import annotations
 
 import itertools
+import math
 import subprocess
 
 import pytest
 
 from runner.config.spec import RunSpec, flat_spec_dict
-from runner.train.resume import BOOKKEEPING, HARMLESS, LAYOUT_KEYS, MATH, compare
+from runner.train.resume import BOOKKEEPING, HARMLESS, HORIZON, LAYOUT_KEYS, MATH, compare, schedule_note
 
-CLASSES = {"MATH": MATH, "HARMLESS": HARMLESS, "BOOKKEEPING": BOOKKEEPING, "LAYOUT_KEYS": LAYOUT_KEYS}
+CLASSES = {"MATH": MATH, "HORIZON": HORIZON, "HARMLESS": HARMLESS, "BOOKKEEPING": BOOKKEEPING, "LAYOUT_KEYS": LAYOUT_KEYS}
 
 
 def test_every_setting_of_the_spec_is_decided_exactly_once():
     """A field added to the spec fails here until it is put in one of the sets."""
     keys = set(flat_spec_dict(RunSpec()))
     decided = set().union(*CLASSES.values())
-    assert sorted(keys - decided) == [], "undecided: add each to MATH, HARMLESS or BOOKKEEPING in runner/train/resume.py"
+    assert sorted(keys - decided) == [], "undecided: add each to MATH, HORIZON, HARMLESS or BOOKKEEPING in runner/train/resume.py"
     assert sorted(decided - keys) == [], "no longer in the spec"
     for (a, first), (b, second) in itertools.combinations(CLASSES.items(), 2):
         assert not first & second, f"in both {a} and {b}: {sorted(first & second)}"
@@ -59,6 +60,39 @@ def test_what_changes_the_math_is_still_refused(compose_spec):
     assert breaking == ["optim.fused: True -> False", "optim.lr: 5e-05 -> 0.001", "precision.kind: 'fp32' -> 'bf16'",
                         "train.seed: 42 -> 7"]
     assert harmless == []
+
+
+def test_every_setting_that_feeds_the_schedule_is_decided(compose_spec):
+    """The horizon (max_steps; num_epochs, which sets it while max_steps is null) is
+    accepted and re-plans the schedule; its shape and peak (kind, warmup, lr and its batch
+    scaling) are refused. There is no minimum-lr setting: the schedules decay to 0."""
+    feeds = {k for k in flat_spec_dict(RunSpec()) if k.startswith("schedule.")} | {
+        "optim.lr", "optim.scale_lr", "optim.reference_global_batch", "train.max_steps", "train.num_epochs"}
+    assert {k for k in feeds if k in HORIZON} == {"train.max_steps", "train.num_epochs"}
+    assert feeds - HORIZON <= MATH
+    old = compose_spec("schedule=cosine", "train.max_steps=4")
+    assert compare(old, compose_spec("schedule=cosine", "train.max_steps=8"), 1, 1) == ([], ["train.max_steps: 4 -> 8"])
+    breaking, _ = compare(old, compose_spec("schedule=linear", "schedule.warmup_ratio=0.25", "train.max_steps=8"), 1, 1)
+    assert breaking == ["schedule.kind: 'cosine' -> 'linear'", "schedule.warmup_ratio: 0.0 -> 0.25"]
+
+
+def test_a_new_horizon_says_how_the_rate_moves(compose_spec):
+    """Cosine at lr 1e-3 over 4 steps, raised to 8 at step 4: the old plan's next rate was
+    0; the new plan's is 1e-3 x (1 + cos(pi x 4/8)) / 2 at step 5, falling to
+    1e-3 x (1 + cos(pi x 7/8)) / 2 at step 8 (transformers' cosine, step k trains at k-1)."""
+    spec = compose_spec("schedule=cosine", "optim.lr=1e-3", "schedule.warmup_steps=0", "train.max_steps=8")
+    note = schedule_note(spec, 4, 8, 4, batch=8)
+    first, last = 1e-3 * (1 + math.cos(math.pi * 4 / 8)) / 2, 1e-3 * (1 + math.cos(math.pi * 7 / 8)) / 2
+    assert note == ("resume: the cosine schedule is planned again over 8 steps (was 4; 0 warmup steps): step 5 trains "
+                    f"at lr {first:.4g}, where the old plan had 0, and the rate follows the new plan to {last:.4g} at step 8")
+    ratio = compose_spec("schedule=linear", "optim.lr=1e-3", "schedule.warmup_ratio=0.5", "train.max_steps=8")
+    # linear, its warmup 2 -> 4 steps: step 3 would train at the peak 1e-3; re-planned, 2 of its 4 warmup steps up
+    assert schedule_note(ratio, 4, 8, 2, batch=8).startswith(
+        "resume: the linear schedule is planned again over 8 steps (was 4; 4 warmup steps (were 2)): step 3 trains at "
+        "lr 0.0005, where the old plan had 0.001,")
+    constant = compose_spec("schedule=constant", "schedule.warmup_steps=2", "train.max_steps=8")
+    assert schedule_note(constant, 4, 8, 4, batch=8) is None  # no rate moves
+    assert schedule_note(spec, 4, 4, 4, batch=8) is None and schedule_note(spec, 8, 4, 4, batch=8) is None  # no step left
 
 
 @pytest.mark.e2e
