@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -493,6 +494,30 @@ class ZeroStrategy(Strategy):
 
     def full_state_dict(self, accelerator: "Accelerator", model: Any) -> dict[str, Any]:
         return zero_fp32_state_dict(model, keep=accelerator.is_main_process)  # every rank calls: a collective
+
+    def alone(self, accelerator: "Accelerator") -> AbstractContextManager[None]:
+        return hf_zero3_hidden(accelerator)
+
+
+@contextmanager
+def hf_zero3_hidden(accelerator: "Accelerator") -> Iterator[None]:
+    """transformers' and peft's view of DeepSpeed turned off for a while, then back on.
+
+    Accelerate registers the run's DeepSpeed config process-wide (transformers'
+    HfDeepSpeedConfig). While it says ZeRO-3, `from_pretrained` builds any new model
+    under deepspeed.zero.Init (a broadcast per parameter) and peft's merge gathers each
+    layer's parameters (GatheredParameters): collectives. Entered by rank 0 alone, for
+    a model no engine holds (peft.save_merged's base read again), they waited forever
+    for the other ranks, which sat in the barrier after the save."""
+    from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        registered = getattr(accelerator.state.deepspeed_plugin, "dschf", None)  # Accelerate keeps it alive there
+        if registered is not None:
+            set_hf_deepspeed_config(registered)
 
 
 def release_gathered_parameters(model: Any) -> None:

@@ -11,12 +11,13 @@ Order of use (runner/train/worker.py, runner/train/trainer.py):
   accelerator_options -> after_accelerator -> before_prepare -> prepare -> after_prepare
   -> engagement_problems -> per micro-batch: backward; per window: grad_norm,
   found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> parameter_pieces
-  (fingerprints) -> full_state_dict (model/).
+  (fingerprints) -> full_state_dict (model/) -> alone (peft.save_merged, rank 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -179,6 +180,12 @@ class Strategy:
         collective: every rank calls it. A sharding strategy gathers one parameter at a
         time into it, never the whole model on the device (tests/train/test_finish.py)."""
         return accelerator.get_state_dict(model)
+
+    def alone(self, accelerator: "Accelerator") -> AbstractContextManager[None]:
+        """Around work one rank does by itself on a model of its own, outside the wrapped
+        one (the merged export: a base read again and merged with peft): nothing in it may
+        start a collective, which the other ranks would never join."""
+        return nullcontext()
 
 
 class DDPStrategy(Strategy):

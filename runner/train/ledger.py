@@ -14,15 +14,18 @@ split into parts that add up to it:
 - evaluation: every evaluation, in the loop and at the end;
 - checkpoint_saves: every checkpoint save, and writing model/ (or adapter/) at the end;
 - lost_to_restarts: after a worker died and `launch.max_restarts` restarted the workers,
-  the time from the checkpoint they resumed from to the new attempt's first batch: the
-  work redone since that checkpoint plus the restart itself.
+  the time from the checkpoint they resumed from (before the first checkpoint, from the
+  dead attempt's first batch) to the new attempt's first batch: the work redone since
+  plus the restart itself. An attempt that died before its first batch is lost whole.
 
 Goodput is steps / wall. The launcher stamps the launch's start in the environment
-(`LAUNCH_TIME_ENV`), which torch elastic hands to restarted workers unchanged. After
-each checkpoint rank 0 records the ledger so far beside it (`ledger.json` in the run
-folder); a restarted attempt that resumes that checkpoint in the same launch carries
-those parts over and counts the rest as lost. A resume in a new launch (resume=auto the
-next day) starts a new ledger: its wall time is its own.
+(`LAUNCH_TIME_ENV`), which torch elastic hands to restarted workers unchanged, with the
+attempt's number (`TORCHELASTIC_RESTART_COUNT`; `restarts` in the report). When the
+loop begins, and after each checkpoint, rank 0 records the ledger so far (`ledger.json`
+in the run folder, with the step a restart would start from); a restarted attempt that
+starts from that step in the same launch carries those parts over and counts the rest
+as lost. A resume in a new launch (resume=auto the next day) starts a new ledger: its
+wall time is its own.
 
 From the measured save time and `launch.mtbf_hours`, the run suggests a checkpoint
 interval by Young and Daly's rule: sqrt(2 x save time x MTBF).
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 LAUNCH_TIME_ENV = "RUNNER_LAUNCH_TIME"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torch elastic's, in every worker it starts
 LEDGER_FILENAME = "ledger.json"
 PARTS = ("startup", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
 
@@ -55,27 +59,49 @@ def stamp_launch() -> None:
     os.environ[LAUNCH_TIME_ENV] = repr(time.time())
 
 
+def restart_count() -> int:
+    """How many times the workers of this launch were restarted (launch.max_restarts):
+    0 in the first attempt."""
+    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+
+
+def process_started() -> float:
+    """Wall clock at which this process started: a restarted attempt's own beginning."""
+    import psutil  # Accelerate's dependency
+
+    return float(psutil.Process().create_time())
+
+
 @dataclass
 class Ledger:
     launch: float  # wall clock of the launch's start
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     saves: int = 0  # checkpoint saves timed (for the mean save time)
     save_seconds: float = 0.0  # their time alone (checkpoint_saves also holds model/)
-    resumed_at: Optional[float] = None  # a restart: when the checkpoint it resumed was recorded
+    resumed_at: Optional[float] = None  # a restart: when the point it started from was recorded
     first_step: int = 0  # the step this launch's first attempt started from
+    restarts: int = 0  # which attempt this is (0: the first; torch elastic's restart count)
+    attempt_start: Optional[float] = None  # a restarted attempt: when its process started
 
     def add(self, part: str, seconds: float) -> None:
         self.parts[part] += max(seconds, 0.0)
 
     def begin(self, now: float, step: int) -> str:
         """The loop starts at wall clock `now`, at `step`: the time before it is start-up,
-        or after a restart, lost since the checkpoint. Returns the part the first batch's
-        wait joins."""
-        if self.resumed_at is None:
-            self.first_step = step
-        part = "startup" if self.resumed_at is None else "lost_to_restarts"
-        self.add(part, now - (self.launch if self.resumed_at is None else self.resumed_at))
-        return part
+        or after a restart, lost since the point recorded. Returns the part the first
+        batch's wait joins."""
+        if self.resumed_at is not None:
+            self.add("lost_to_restarts", now - self.resumed_at)
+            return "lost_to_restarts"
+        self.first_step = step
+        started = self.launch
+        if self.restarts and self.attempt_start is not None:
+            # restarted, with nothing recorded: the attempts before died before their loop
+            # began, so their time is lost; this attempt's own start-up is the start-up
+            started = max(self.attempt_start, self.launch)
+            self.add("lost_to_restarts", started - self.launch)
+        self.add("startup", now - started)
+        return "startup"
 
     def add_save(self, seconds: float) -> None:
         self.add("checkpoint_saves", seconds)
@@ -86,21 +112,25 @@ class Ledger:
         return {**asdict(self), "step": step, "at": time.time()}
 
     def copy(self) -> "Ledger":
-        return Ledger(self.launch, dict(self.parts), self.saves, self.save_seconds, self.resumed_at, self.first_step)
+        return Ledger(self.launch, dict(self.parts), self.saves, self.save_seconds, self.resumed_at, self.first_step,
+                      self.restarts, self.attempt_start)
 
 
 def write_snapshot(run_dir: Path, ledger: Ledger, step: int) -> None:
-    """Rank 0, after a checkpoint is complete: the ledger up to it (atomic rename)."""
+    """Rank 0, when the loop begins and after a checkpoint is complete: the ledger up to
+    it and the step a restart would start from (atomic rename)."""
     tmp = run_dir / f".{LEDGER_FILENAME}.tmp"
     tmp.write_text(json.dumps(ledger.snapshot(step)))
     tmp.replace(run_dir / LEDGER_FILENAME)
 
 
 def resumed(run_dir: Path, launch: float, step: int) -> Ledger:
-    """The ledger of an attempt that resumed checkpoint `step`: within the same launch
-    (a restart), the parts recorded at that checkpoint, the time since counted as lost
-    when the loop begins; else a new ledger."""
-    ledger = Ledger(launch)
+    """The ledger of an attempt that starts from `step` (0, or the checkpoint it resumed):
+    within the same launch (a restart), the parts recorded when an attempt before it
+    began its loop or saved that checkpoint, the time since counted as lost when the
+    loop begins; else a new ledger, marked with the attempt's number."""
+    restarts = restart_count()
+    ledger = Ledger(launch, restarts=restarts, attempt_start=process_started() if restarts else None)
     try:
         saved = json.loads((run_dir / LEDGER_FILENAME).read_text())
     except (OSError, ValueError):
@@ -132,6 +162,7 @@ def report(ledger: Ledger, wall: float, last_step: int, save_every: int, mtbf_ho
         "parts_sum_seconds": round(sum(ledger.parts.values()), 3),
         "goodput": round(ledger.parts["steps"] / wall, 4) if wall > 0 else None,
         "mean_save_seconds": round(ledger.save_seconds / ledger.saves, 3) if ledger.saves else None,
+        "restarts": ledger.restarts,
     }
     if ledger.saves and mtbf_hours and step_seconds:
         interval = suggested_interval(ledger.save_seconds / ledger.saves, mtbf_hours)

@@ -158,7 +158,7 @@ class Trainer:
         self.first_batch_wait: Optional[float] = None  # opening the data (a stream reads its first window)
         # Where the launch's wall time goes (runner/train/ledger.py). `_loop_started` and
         # `_loop_elsewhere` (the loop's seconds in the other parts) give its steps' share.
-        self.ledger = Ledger(launch_time())
+        self.ledger = resumed(run_dir, launch_time(), 0)  # a restart before any checkpoint carries it on
         self._loop_started: Optional[float] = None
         self._loop_elsewhere = 0.0
         self._first_batch_part = "startup"
@@ -173,6 +173,8 @@ class Trainer:
         plan, s = self.plan, self.state
         progress = Progress(plan.total_steps, self.accelerator.is_main_process, initial=s.step)
         self._first_batch_part = self.ledger.begin(time.time(), s.step)
+        if self.accelerator.is_main_process:  # a restart before the next checkpoint starts from here too
+            write_snapshot(self.run_dir, self.ledger, s.step)
         started = window_start = self._loop_started = time.perf_counter()
         window_steps = 0
         self._logged_real_tokens = self._real_tokens()

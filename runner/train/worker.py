@@ -503,7 +503,8 @@ def save_outputs(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         unwrap(accelerator, model).save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
         if adapters and spec.peft.save_merged:
-            save_merged_model(spec, out, run_dir / "model", tokenizer)
+            with strategy.alone(accelerator):  # this rank alone: no collective (ZeRO-3's hung)
+                save_merged_model(spec, out, run_dir / "model", tokenizer)
     accelerator.wait_for_everyone()
     return out
 

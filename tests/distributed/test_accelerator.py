@@ -512,3 +512,28 @@ def test_zero3_frees_its_gradient_partition_between_steps_and_still_accumulates_
     # writes with the partition still free (reallocated by its epilogue), the second adds into it
     assert [set(w) for w in writes] == [{size}, {size}, {0}, {size}] and len(writes[2]) > 1
     assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_zero3_work_on_one_rank_alone_starts_no_collective(one_rank_group):
+    """Accelerate registers the ZeRO-3 config process-wide for transformers and peft: a
+    model built then (peft.save_merged's base, read again on rank 0 alone) would be
+    partitioned by deepspeed.zero.Init, a broadcast per parameter that the other ranks
+    never join (the run hung). Inside strategy.alone it is an ordinary model; after it
+    the engine's config is registered again."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    def build():  # as runner builds a model (runner/components/model.py build_model)
+        config = GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=100)
+        return AutoModelForCausalLM.from_config(config)
+
+    strategy = build_strategy(StrategySpec(kind=StrategyKind.zero3), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=1, max_grad_norm=0.0, per_device_batch_size=2, hidden_size=32)
+    assert is_deepspeed_zero3_enabled()
+    partitioned = build()
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in partitioned.parameters())  # what rank 0 built before
+    with strategy.alone(accelerator):
+        assert not is_deepspeed_zero3_enabled()
+        alone = build()
+    assert not any(hasattr(p, "ds_id") for p in alone.parameters()) and all(p.numel() > 0 for p in alone.parameters())
+    assert is_deepspeed_zero3_enabled()  # the engine's config back

@@ -77,7 +77,9 @@ def test_a_user_error_on_rank_1_is_one_line_without_traceback(tmp_path):
 @pytest.mark.multiprocess
 def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     """The worker dies at step 3, before any checkpoint: the restart starts again from
-    step 1, and metrics.jsonl keeps only the new attempt's lines."""
+    step 1, and metrics.jsonl keeps only the new attempt's lines. The goodput ledger marks
+    the restart and books as lost the time from the dead attempt's first batch to the new
+    one's (steps 1-2 and the restart), not as start-up."""
     env = {**os.environ, **patch_train_step(
         tmp_path, 'os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and self.state.step >= 3', "os._exit(1)",
     )}
@@ -86,3 +88,8 @@ def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
                           timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, 7))  # losses() also fails on a step logged twice
+    ledger = json.loads((run_dir / "all_results.json").read_text())["goodput"]
+    parts = ledger["parts_seconds"]
+    assert parts["lost_to_restarts"] > 2 * parts["steps"] / 6 and parts["startup"] > 0, ledger
+    assert ledger["restarts"] == 1
+    assert abs(ledger["parts_sum_seconds"] - ledger["wall_seconds"]) <= 0.02 * ledger["wall_seconds"], ledger

@@ -65,7 +65,8 @@ def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_
     whose parameters each library reads with its own tool (DeepSpeed's zero_to_fp32 for
     ZeRO's partitions, torch's dcp_to_torch_save for FSDP2's DTensor shards; ddp's is
     one safetensors file), independently of runner's gathering save, loaded into a fresh
-    PeftModel. Within 1e-5."""
+    PeftModel. Within 1e-5. And model/ (peft.save_merged, written by rank 0 alone; under
+    zero3 it hung in collectives only rank 0 entered) gives the adapter's logits, within 1e-5."""
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -74,7 +75,8 @@ def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_
 
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "runner", *RUN, f"model.name_or_path={base}", *LAYOUTS["2x4x1"],
-                           f"strategy={strategy}", "train.max_steps=5", "train.save_every=5", f"hydra.run.dir={run_dir}"],
+                           f"strategy={strategy}", "train.max_steps=5", "train.save_every=5", "peft.save_merged=true",
+                           f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_5"
@@ -98,3 +100,6 @@ def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_
     assert not unexpected and not [k for k in missing if ".lora_" in k], (missing, unexpected)
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter")
     torch.testing.assert_close(logits(adapter), logits(trained), rtol=0, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert not any(".lora_" in k for k in merged.state_dict())  # a plain model, the adapters merged in
+    torch.testing.assert_close(logits(merged), logits(adapter), rtol=0, atol=1e-5)

@@ -1,6 +1,8 @@
 """The goodput ledger's arithmetic (runner/train/ledger.py): a restart in the same launch
-carries the parts recorded at its checkpoint and counts the time since as lost; a resume
-in a new launch starts afresh; Young/Daly's interval."""
+carries the parts recorded at its checkpoint (or, before the first, at the dead attempt's
+loop start) and counts the time since as lost; a resume in a new launch starts afresh;
+Young/Daly's interval. A worker killed under launch.max_restarts, end to end:
+tests/launch/test_launcher.py and tests/train/test_checkpoint_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import math
 
 import pytest
 
-from runner.train.ledger import Ledger, report, resumed, suggested_interval, write_snapshot
+from runner.train import ledger as ledger_module
+from runner.train.ledger import RESTART_COUNT_ENV, Ledger, report, resumed, suggested_interval, write_snapshot
 
 
 def test_a_first_attempt_counts_the_time_before_its_loop_as_startup():
@@ -34,6 +37,42 @@ def test_a_restart_in_the_same_launch_carries_the_parts_and_counts_the_rest_as_l
     assert resumed(tmp_path, 999.0, 8).parts["steps"] == 0.0  # another launch: a ledger of its own
     assert resumed(tmp_path, 100.0, 4).parts["steps"] == 0.0  # not the checkpoint recorded
     assert resumed(tmp_path / "none", 100.0, 8).resumed_at is None
+
+
+def test_a_restart_before_the_first_checkpoint_counts_the_time_since_the_dead_loop_began_as_lost(tmp_path,
+                                                                                                   monkeypatch):
+    """The first attempt records its ledger when its loop begins (step 0); it dies before
+    any checkpoint. The restarted attempt starts from step 0 again: the first attempt's
+    start-up is kept, and everything since its loop began is lost (booked as start-up,
+    lost_to_restarts 0, before)."""
+    first = Ledger(launch=100.0)
+    assert first.begin(110.0, step=0) == "startup"
+    write_snapshot(tmp_path, first, step=0)
+    began = resumed(tmp_path, 100.0, 0).resumed_at
+    assert began is not None and first.restarts == 0
+
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    monkeypatch.setattr(ledger_module, "process_started", lambda: began + 20.0)
+    after = resumed(tmp_path, 100.0, 0)
+    assert after.restarts == 1 and after.parts["startup"] == 10.0
+    assert after.begin(began + 30.0, step=0) == "lost_to_restarts" and after.first_step == 0
+    assert after.parts["lost_to_restarts"] == pytest.approx(30.0) and after.parts["startup"] == 10.0
+    assert report(after, wall=began + 30.0 - 100.0, last_step=0, save_every=0, mtbf_hours=None)["restarts"] == 1
+
+
+def test_a_restart_after_an_attempt_that_never_reached_its_loop_loses_that_attempt(tmp_path, monkeypatch):
+    """Nothing recorded in this launch (the dead attempt failed while setting up): the
+    time before this attempt's process started is lost, its own start-up is start-up."""
+    monkeypatch.setenv(RESTART_COUNT_ENV, "2")
+    monkeypatch.setattr(ledger_module, "process_started", lambda: 130.0)
+    ledger = resumed(tmp_path, 100.0, 0)
+    assert ledger.restarts == 2 and ledger.resumed_at is None
+    assert ledger.begin(142.0, step=0) == "startup"
+    assert ledger.parts["lost_to_restarts"] == 30.0 and ledger.parts["startup"] == 12.0
+    monkeypatch.setenv(RESTART_COUNT_ENV, "0")  # a first attempt: all of it is start-up
+    first = resumed(tmp_path, 100.0, 0)
+    assert first.restarts == 0 and first.begin(142.0, step=0) == "startup" and first.parts["startup"] == 42.0
+    assert first.parts["lost_to_restarts"] == 0
 
 
 def test_the_report_sums_the_parts_and_suggests_young_daly():
