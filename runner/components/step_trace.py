@@ -113,6 +113,22 @@ def grouped_experts_traceable() -> Iterator[None]:
         moe._can_use_grouped_mm = plain
 
 
+@contextlib.contextmanager
+def quiet_fake_tensor_errors() -> Iterator[None]:
+    """No traceback from FakeTensorMode's own logger: an operator whose fake kernel fails
+    is logged there at error level before the error is raised, and the caller (the fit
+    check) reports the error in one line."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class _NoHook:
     def remove(self) -> None:
         pass
@@ -176,7 +192,8 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         # so the model and its adapters are built on the meta device, then given fake storage.
         with torch.device("meta"):
             meta_model = add_adapters(peft, build(), spec.gradient_checkpointing)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # Experts traceable for every forward here: the chunked loss's probe runs one too.
+    with FakeTensorMode(allow_non_fake_inputs=True), grouped_experts_traceable(), quiet_fake_tensor_errors():
         model = meta_model.to_empty(device="cpu") if adapters else build()  # a frozen base: gradients only for the adapters
         # The loss as the run computes it: chunked, unless the run would fall back (its probe runs on fake tensors too).
         chunked = install_chunked_loss(model)[0] if spec.chunked_loss else None
@@ -192,7 +209,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
                     else contextlib.nullcontext())
         fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
                  else contextlib.nullcontext())
-        with tracker, fused, grouped_experts_traceable():
+        with tracker, fused:
             with autocast, (chunked.labels(ids) if chunked is not None else contextlib.nullcontext()):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()

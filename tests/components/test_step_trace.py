@@ -52,17 +52,20 @@ def test_the_gradients_backward_writes_are_sampled_beside_the_activations():
     assert trace.peak_with_gradients(1.0) >= trace.peak_with_gradients(0.0) == trace.activation_peak
 
 
-def test_a_mixture_of_experts_traces_its_grouped_matmul_not_a_weight_copy_per_token():
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain_loss", "chunked_loss"])
+def test_a_mixture_of_experts_traces_its_grouped_matmul_not_a_weight_copy_per_token(chunked):
     """transformers' default grouped expert matmul, through its fallback operator (any
     dtype). batched_mm, the probe's choice, would copy each chosen expert's weights per
-    token: here 64 tokens x 2 experts x 3 MB = 384 MB."""
+    token: here 64 tokens x 2 experts x 3 MB = 384 MB. With the chunked loss (the
+    default), its probe forward runs through the experts too."""
     from transformers.integrations import moe
 
     wide = MixtralConfig(hidden_size=64, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512)
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512,
+                         output_router_logits=True)
     plain = moe._can_use_grouped_mm
     for how, precision in ((Numerics.fp32, "fp32"), (Numerics.autocast, "bf16"), (Numerics.half, "bf16")):
-        trace = act(wide, 1, 64, how=how, precision=precision)
+        trace = act(wide, 1, 64, how=how, precision=precision, chunked=chunked)
         # the experts' activations (128 x 8,192 in fp32: 4 MB) and their weights' gradient (8 MB)
         assert 4 * 2**20 < trace.activation_peak < 64 * 2**20, how
     assert moe._can_use_grouped_mm is plain  # put back after the trace

@@ -202,3 +202,39 @@ def test_a_frozen_base_has_no_gradients_or_adam_state_in_the_plan(compose_spec, 
         assert lora.grads == pytest.approx(4.0 * adapters / shards)
         assert lora.device_total < full.device_total
     assert plans["lora"]["ddp"].buffers == pytest.approx(4.0 * adapters)
+
+
+def moe_planner(compose_spec) -> "fit.Planner":
+    """A tiny Mixtral with its router loss on, the chunked loss on (the default)."""
+    from runner.certify.architectures import TINY as ARCHITECTURES
+
+    spec = compose_spec("recipe=gpt2_clm_tiny", "model.model_type=mixtral",
+                        f"model.config_overrides='{ARCHITECTURES['mixtral']},output_router_logits=True'",
+                        "data.block_size=32", "train.per_device_batch_size=4")
+    assert spec.model.chunked_loss
+    return fit.Planner(spec, 32, 1)
+
+
+def test_a_mixture_of_experts_with_the_chunked_loss_is_planned(compose_spec, capfd):
+    """The chunked loss's probe forward runs through the traceable experts as the step's
+    does: the fit check (so dry_run=true and per_device_batch_size=auto) gets a plan."""
+    planner = moe_planner(compose_spec)
+    fit.check_fit(planner.spec, planner, fit.Budget(2.0**40, "1 x test", True))
+    assert capfd.readouterr().err == ""
+    assert planner.estimate("ddp").activations > 4 * 32 * 4 * 64  # the micro-batch's hidden states, at least
+    assert planner.largest_micro_batch("ddp", 4, 2.0**40) == 4
+
+
+def test_a_trace_that_fails_is_one_note_without_torchs_traceback(compose_spec, capfd, monkeypatch):
+    """Fake tensors log a failing operator's traceback before raising it: the fit check's
+    one-line note is all the user sees."""
+    import contextlib
+
+    from runner.components import step_trace
+
+    monkeypatch.setattr(step_trace, "grouped_experts_traceable", contextlib.nullcontext)  # experts untraceable
+    planner = moe_planner(compose_spec)
+    fit.check_fit(planner.spec, planner, fit.Budget(2.0**40, "1 x test", True))
+    err = capfd.readouterr().err
+    assert err.startswith("runner: note: no memory plan for this model (RuntimeError: ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
