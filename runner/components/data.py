@@ -70,9 +70,25 @@ def _file_sha256(path: str) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: "PreTrainedTokenizerBase") -> str:
+    """The tokenizer's tokenization: its backend's tokenizer.json (vocabulary, merges,
+    normalizer, the post-processor that adds BOS/EOS); a Python tokenizer without one,
+    its vocabulary and special tokens (it adds them in Python)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    text = (backend.to_str() if backend is not None else
+            json.dumps([tokenizer.get_vocab(), special_tokens(tokenizer)], sort_keys=True))
     return hashlib.sha256(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
+
+
+def special_tokens(tokenizer: "PreTrainedTokenizerBase") -> dict[str, Any]:
+    """What of a tokenizer lies outside its tokenizer.json and still changes instruction
+    rows: which tokens are BOS, EOS, padding and unknown, by text and id (the EOS closes
+    every example, padding fills rows, a chat template renders bos_token and eos_token;
+    base and instruct tokenizers of one family often share tokenizer.json and differ
+    here), and the ids it puts around a text (add_bos / add_eos, set in Python by some)."""
+    named = {name: [getattr(tokenizer, f"{name}_token", None), getattr(tokenizer, f"{name}_token_id", None)]
+             for name in ("bos", "eos", "pad", "unk")}
+    around = [list(tokenizer("a", add_special_tokens=flag)["input_ids"]) for flag in (True, False)]
+    return {**named, "padded_with": pad_token_id(tokenizer), "around_a_text": around}
 
 
 def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
@@ -92,7 +108,8 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
         parts["instruct"] = {"format": data.format.value, "fields": [data.prompt_field, data.completion_field,
                              data.messages_field], "template": template, "train_on_prompt": data.train_on_prompt,
                              "too_long": data.too_long.value, "packing": data.packing,
-                             "rows": 3}  # 2: packed rows carry real_tokens; 3: the text tokenized once
+                             "rows": 3,  # 2: packed rows carry real_tokens; 3: the text tokenized once
+                             "special_tokens": special_tokens(tokenizer)}
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
         parts["train_type"] = builder_for(data.train_file)

@@ -207,3 +207,53 @@ def test_seeds_give_unrelated_data_orders_in_every_epoch():
     # Epoch 0 is torch's RandomSampler order under the same seed.
     expected = list(torch.utils.data.RandomSampler(range(64), generator=torch.Generator().manual_seed(1)))
     assert orders[(1, 0)] == expected
+
+
+def _tokenizers_differing_only_in_eos(tmp_path: Path) -> tuple:
+    """A base and an instruct tokenizer of one family: the same tokenizer.json (both EOS
+    candidates are special tokens in it), another EOS in tokenizer_config.json (as
+    Qwen2.5's <|endoftext|> and <|im_end|>, Llama 3.1's <|end_of_text|> and <|eot_id|>)."""
+    import shutil
+
+    family = AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
+    family.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    base, instruct = tmp_path / "base", tmp_path / "instruct"
+    family.save_pretrained(base)
+    shutil.copytree(base, instruct)
+    config = json.loads((instruct / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|im_end|>"
+    (instruct / "tokenizer_config.json").write_text(json.dumps(config))
+    assert (base / "tokenizer.json").read_bytes() == (instruct / "tokenizer.json").read_bytes()
+    return AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(instruct)
+
+
+def test_instruction_rows_are_keyed_on_the_tokenizers_eos(tmp_path):
+    """Two tokenizers differing only in EOS get their own rows, each closed by its own EOS;
+    text, whose blocks no EOS enters, keeps one key."""
+    from runner.config.spec import DataFormat
+
+    base, instruct = _tokenizers_differing_only_in_eos(tmp_path)
+    assert (base.eos_token_id, instruct.eos_token_id) == (50256, 50257)
+    train = tmp_path / "sft.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Question {i}?", "completion": f" Answer {i}."}) + "\n"
+                             for i in range(40)))
+    spec = DataSpec(train_file=str(train), format=DataFormat.prompt_completion, packing=False,
+                    cache_dir=str(tmp_path / "cache"))
+    assert cache_key(spec, base, 64) != cache_key(spec, instruct, 64)
+    for tokenizer in (base, instruct):
+        rows = prepare(spec, tokenizer, 64)
+        assert rows.cache_hit is False
+        assert {int(row["input_ids"][-1]) for row in rows.train} == {tokenizer.eos_token_id}
+    text = DataSpec(train_file=str(train))
+    assert cache_key(text, base, 64) == cache_key(text, instruct, 64)
+
+
+def test_the_padding_token_is_in_the_instruction_key(tmp_path):
+    from runner.config.spec import DataFormat
+
+    base, _ = _tokenizers_differing_only_in_eos(tmp_path)
+    train = tmp_path / "sft.jsonl"
+    train.write_text(json.dumps({"prompt": "Q?", "completion": " A."}) + "\n")
+    spec = DataSpec(train_file=str(train), format=DataFormat.prompt_completion)
+    padded = AutoTokenizer.from_pretrained(tmp_path / "base", pad_token="<|im_end|>")
+    assert cache_key(spec, base, 64) != cache_key(spec, padded, 64)
