@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import NO_COMPILE, compile_stats
 from runner.components.instruct import IGNORE_INDEX, model_inputs, row_real_tokens, token_losses
+from runner.components.loss_parts import CrossEntropyTap, weighted
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -124,6 +125,9 @@ class Trainer:
         # steps are all whole, so it keeps the mean per micro-batch. `token_weighted`:
         # the rates count real tokens, not the rows' capacity (instruction data).
         self.token_weighted = token_weighted
+        # Only the cross-entropy is so weighted: what the model adds after it (a mixture of
+        # experts' router loss) stays a mean per micro-batch (runner/components/loss_parts.py).
+        self.cross_entropy = CrossEntropyTap(accelerator.unwrap_model(model))
         self._logged_real_tokens = 0  # real tokens at the last log line (token-weighted runs)
         self.run_dir = run_dir
         self.max_grad_norm = max_grad_norm
@@ -467,11 +471,13 @@ class Trainer:
                 # trained tokens on all ranks. Backward averages over ranks (DDP, ZeRO,
                 # FSDP) and divides by the accumulation (Accelerate, DeepSpeed): undone here,
                 # so the step's gradient is that of the sum over all its tokens / their number.
-                # The log averages over ranks and the window's micro-batches.
+                # The log averages over ranks and the window's micro-batches. What the model
+                # adds (a router loss) is a mean per micro-batch: averaged over the window's.
                 with self._loss_over_chunks(batch):
                     share = self.model(**self._inputs(batch, labels=True), num_items_in_batch=items).loss
-                loss = share * (acc.num_processes * self.plan.grad_accum_steps)
-                logged = share * (acc.num_processes * micro)
+                cross_entropy, accum = self.cross_entropy.take(), self.plan.grad_accum_steps
+                loss = weighted(share, cross_entropy, acc.num_processes * accum, accum / micro)
+                logged = weighted(share, cross_entropy, acc.num_processes * micro, 1.0)
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             self._count_compile()
             if acc.sync_gradients:

@@ -1,0 +1,129 @@
+"""A mixture of experts' router (load-balancing) loss under token weighting (instruction
+data): only the cross-entropy is weighted by its share of the step's trained tokens; the
+router term a model adds to it stays a mean per micro-batch, averaged over the step's
+micro-batches (as the text format and transformers' Trainer have it). So one process at
+8 rows and 4 rows x 2 accumulation train the same step, but for the router term's own
+dependence on which rows share a micro-batch (its expert load is a product of means),
+with the plain loss and with the chunked loss.
+
+In-process, one Trainer.train_step per micro-batch on a tiny Mixtral (1 process, the
+ddp path): no training run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from runner.components.chunked_loss import install
+from runner.components.instruct import IGNORE_INDEX
+from runner.config.spec import PrecisionSpec, StrategySpec
+from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
+from runner.distributed.strategies import build_strategy
+from runner.train.trainer import Trainer
+
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+def mixtral(coefficient: float) -> MixtralForCausalLM:
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32,
+        router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=coefficient))
+
+
+def rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """8 rows of 12 tokens, answers of different lengths (prompts not trained)."""
+    ids = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    for row in range(8):
+        labels[row, : 2 + row] = IGNORE_INDEX
+    return ids, labels
+
+
+def trained(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def one_step(tmp_path: Path, coefficient: float, micro_batch: int, accum: int, chunked: bool,
+             window: int | None = None) -> tuple[float, float]:
+    """One optimizer step of `window` (default: all `accum`) micro-batches of the rows;
+    (the loss it logs, its gradient norm)."""
+    window = window or accum
+    strategy = build_strategy(StrategySpec(), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=accum, max_grad_norm=0.0)
+    model = mixtral(coefficient)
+    chunked_loss = install(model)[0] if chunked else None
+    assert (chunked_loss is not None) == chunked
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    plan = SimpleNamespace(grad_accum_steps=accum)
+    trainer = Trainer(accelerator, model, optimizer, scheduler, [], [], plan, tmp_path,  # type: ignore[arg-type]
+                      strategy=strategy, max_grad_norm=0.0, log_every=0, eval_every=0, save_every=0,
+                      keep_checkpoints=1, token_weighted=True, chunked_loss=chunked_loss)
+    # A window cut short (an epoch's end): Accelerate's counter already stands where it ends.
+    accelerator.step = accum - window
+    ids, labels = rows()
+    ids, labels = ids[: window * micro_batch], labels[: window * micro_batch]
+    items = torch.tensor(float(trained(labels)))
+    for i in range(window):
+        part = slice(i * micro_batch, (i + 1) * micro_batch)
+        stepped = trainer.train_step({"input_ids": ids[part], "labels": labels[part], "num_items_in_batch": items,
+                                      "window_micro_batches": window})
+        assert stepped == (i == window - 1)
+    assert trainer.state.loss_sum is not None and trainer.grad_norm is not None
+    return float(trainer.state.loss_sum / trainer.state.loss_count), float(trainer.grad_norm)
+
+
+def oracle(coefficient: float, micro_batch: int, micro_batches: int) -> tuple[float, float]:
+    """The step as defined, by hand on the plain model: every micro-batch's summed
+    cross-entropy over the step's trained tokens, plus the coefficient x the mean of the
+    micro-batches' router losses; (its value, its gradient norm)."""
+    model = mixtral(coefficient)
+    ids, labels = rows()
+    ids, labels = ids[: micro_batches * micro_batch], labels[: micro_batches * micro_batch]
+    items = trained(labels)
+    total = torch.zeros(())
+    for i in range(micro_batches):
+        part = slice(i * micro_batch, (i + 1) * micro_batch)
+        out = model(input_ids=ids[part], labels=labels[part], num_items_in_batch=items)
+        router = coefficient * out.aux_loss
+        total = total + (out.loss - router) + router / micro_batches
+    total.backward()
+    return total.item(), math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain_loss", "chunked_loss"])
+def test_accumulation_weights_the_cross_entropy_alone(tmp_path, chunked):
+    """1 x 8 x 1 against 1 x 4 x 2 at Mixtral's own coefficient (0.001): the router term
+    weighted twice gave a step-1 loss 2.0e-3 higher; now the gap is the router term's own
+    (about 1e-6), as in the text format."""
+    whole, halves = one_step(tmp_path, 1e-3, 8, 1, chunked), one_step(tmp_path, 1e-3, 4, 2, chunked)
+    assert halves[0] == pytest.approx(whole[0], abs=1e-5)
+    assert halves[1] == pytest.approx(whole[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain_loss", "chunked_loss"])
+@pytest.mark.parametrize("micro_batch, accum, window", [(8, 1, 1), (4, 2, 2), (4, 2, 1)],
+                         ids=["8x1", "4x2", "4x2_cut_to_1"])
+def test_the_step_is_the_cross_entropy_over_its_tokens_plus_the_mean_router_loss(tmp_path, chunked, micro_batch,
+                                                                                   accum, window):
+    """A large coefficient (0.5), so a misweighted router term moves the gradient too. A
+    window cut short at an epoch's end averages the router loss over its own micro-batches."""
+    loss, norm = one_step(tmp_path, 0.5, micro_batch, accum, chunked, window)
+    expected_loss, expected_norm = oracle(0.5, micro_batch, window)
+    assert loss == pytest.approx(expected_loss, abs=1e-5)
+    assert norm == pytest.approx(expected_norm, rel=1e-5)
