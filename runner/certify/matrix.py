@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from runner.certify.architectures import TINY
+from runner.certify import architectures
+from runner.certify.architectures import ROWS
 from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.launch.launcher import launch_in_turn
@@ -101,7 +102,7 @@ def column_suffix(precision: str, peft: str, reshard: bool = False) -> str:
 RESHARD_TO = ["strategy=ddp", "launch.nproc_per_node=1", "train.per_device_batch_size=8"]
 
 
-def save_initial_model(model_type: str, folder: Path) -> None:
+def save_initial_model(row: str, folder: Path) -> None:
     """The architecture's tiny config, randomly initialised once and saved with
     save_pretrained: every run starts from these weights (model.name_or_path), as a user's
     pretrained model would, so a strategy that loads or shards them differently shows."""
@@ -112,18 +113,19 @@ def save_initial_model(model_type: str, folder: Path) -> None:
     from runner.config.spec import ModelSpec
 
     torch.manual_seed(0)
-    config = build_config(ModelSpec(model_type=model_type, config_overrides=TINY[model_type]))
+    config = build_config(ModelSpec(model_type=architectures.model_type(row),
+                                    config_overrides=architectures.tiny_config(row)))
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
 
 
-def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: str = "none") -> list[str]:
-    """The Hydra overrides of one run: the reference (strategy None) or a strategy's. With
-    adapters, their dropout is off too (equal math) and the rate is an adapter's."""
-    layout = ["train.per_device_batch_size=8"] if strategy is None else [
+def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: str = "none", row: str = "") -> list[str]:
+    """The Hydra overrides of one run of `row`: the reference (strategy None) or a strategy's.
+    With adapters, their dropout is off too (equal math) and the rate is an adapter's."""
+    layout = ["train.per_device_batch_size=8", *architectures.reference_layout(row)] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
     adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
     return [*COMMON, f"model.name_or_path={model_dir}", "model.config_overrides=null", f"precision={precision}",
-            *layout, *adapters]
+            *layout, *adapters, *architectures.run_overrides(row)]
 
 
 def compose(run_overrides: Sequence[str]) -> RunSpec:
@@ -143,17 +145,17 @@ def compose(run_overrides: Sequence[str]) -> RunSpec:
 
 
 def leg_spec(cell: Cell, resume: bool) -> RunSpec:
-    moved = RESHARD_TO if resume and cell.reshard else []
-    spec = compose([*overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft), *moved])
+    moved = [*RESHARD_TO, *architectures.reference_layout(cell.model_type)] if resume and cell.reshard else []
+    spec = compose([*overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft, cell.model_type), *moved])
     spec.train.max_steps = STEPS if resume else CUT
     spec.train.save_every = CUT
     spec.resume = "auto" if resume else None
     return spec
 
 
-def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "none") -> Optional[str]:
+def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "none", row: str = "") -> Optional[str]:
     """The one-process run every strategy is held to, in this process; why it could not run, else None."""
-    spec = compose(overrides(model_dir, precision, None, peft))
+    spec = compose(overrides(model_dir, precision, None, peft, row))
     spec.train.max_steps = STEPS
     try:
         start(spec, run_dir, overwrite=True)
@@ -267,7 +269,7 @@ def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Pat
         for precision in precisions:
             column = column_suffix(precision, peft, reshard).replace(" -> ", "_to_").replace(" ", "_")
             reference = work_dir / model_type / column / "reference"
-            why = run_reference(model_dir, precision, reference, peft)
+            why = run_reference(model_dir, precision, reference, peft, model_type)
             cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft,
                           reshard=reshard) for s in STRATEGIES]
             for cell in cells:
@@ -308,7 +310,8 @@ def main(argv: Sequence[str]) -> None:
         description="Certify architectures: each strategy at 2 processes against one process, with a resume "
                     "and a from_pretrained check. Prints a row per architecture.")
     parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
-                        help=f"transformers model types with a tiny config here (default: all of {', '.join(TINY)})")
+                        help=f"transformers model types with a tiny config here, or a variant row (default: all of "
+                             f"{', '.join(ROWS)})")
     parser.add_argument("--precision", default="fp32", help="fp32, bf16, or fp32,bf16 (default fp32)")
     parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"),
                         help="where the runs go (default outputs/certify); a run folder there is overwritten")
@@ -320,12 +323,12 @@ def main(argv: Sequence[str]) -> None:
                         help="resume each strategy's checkpoint of 2 processes on 1 process under ddp: a world-size "
                              "and strategy change, read across")
     args = parser.parse_args(list(argv))
-    model_types = args.model_types or list(TINY)
-    unknown = [m for m in model_types if m not in TINY]
+    model_types = args.model_types or list(ROWS)
+    unknown = [m for m in model_types if m not in ROWS]
     precisions = [p for p in args.precision.split(",") if p]
     if unknown or not precisions or any(p not in PRECISIONS for p in precisions):
         raise UserError(
-            (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(TINY)} "
+            (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(ROWS)} "
              "(runner/certify/architectures.py lists them)" if unknown else
              f"--precision {args.precision}: give fp32, bf16 or fp32,bf16"))
     rows = certify(model_types, precisions, args.work_dir, args.peft, args.reshard)

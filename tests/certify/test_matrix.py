@@ -146,3 +146,32 @@ def test_an_untrained_reference_adapter_or_one_that_does_not_load_is_not_exact(t
     (cell.run_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"truncated")
     judge(cell, ref)
     assert cell.verdict == "not exact" and any("does not load with PeftModel" in d for d in cell.detail), cell.detail
+
+
+def test_the_router_loss_row_trains_instruction_data_with_the_router_loss_on(tmp_path):
+    """The mixture-of-experts row with its router loss on: its model type's tiny config
+    with output_router_logits, instruction data in every run, and a reference at the
+    cells' micro-batch of 4 (the router loss is a mean per micro-batch); --reshard
+    resumes there too. Other rows are as they were."""
+    from transformers import AutoConfig
+
+    from runner.certify.matrix import Cell, compose, leg_spec, overrides, save_initial_model
+    from runner.config.spec import DataFormat
+
+    save_initial_model("mixtral_router_sft", tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "mixtral" and config.output_router_logits and config.router_aux_loss_coef == 0.01
+
+    reference = compose(overrides(tmp_path, "fp32", None, row="mixtral_router_sft"))
+    cell = Cell("mixtral_router_sft", "fp32", "zero3", tmp_path / "zero3", tmp_path, reshard=True)
+    first, resumed = leg_spec(cell, resume=False), leg_spec(cell, resume=True)
+    for spec in (reference, first, resumed):
+        assert spec.data.format is DataFormat.prompt_completion and spec.data.packing
+    assert (reference.train.per_device_batch_size, reference.train.grad_accum_steps) == (4, 2)
+    def layout(spec):
+        return spec.train.per_device_batch_size, spec.train.grad_accum_steps, str(spec.launch.nproc_per_node)
+
+    assert layout(first) == (4, 1, "2") and layout(resumed) == (4, 2, "1")
+    plain = compose(overrides(tmp_path, "fp32", None, row="mixtral"))
+    assert plain.data.format is DataFormat.text and plain.train.per_device_batch_size == 8
+    assert plain.train.grad_accum_steps == 1
