@@ -40,14 +40,14 @@ from runner.components.optim import param_groups
 from runner.config.errors import UserError
 from runner.distributed.patches import ZERO2_LINK_READ_ACROSS_STATE, engaged
 from runner.distributed.strategy import innermost_optimizer
-from runner.train.checkpoint import read_marker
+from runner.train.checkpoint import CHECKPOINTS_DIRNAME, read_marker
 from runner.train.rng import restore_random_states
 
 log = logging.getLogger(__name__)
 
 READS = ("ddp", "zero2", "zero3", "fsdp")  # the checkpoints read into a portable state
 WRITES = ("ddp", "zero2", "zero3", "fsdp")  # the strategies a portable state is set into
-SCRATCH_DIRNAME = ".reshard"  # beside the run's checkpoints; removed after the resume
+SCRATCH_DIRNAME = ".reshard"  # in the resuming run's checkpoints folder; removed after the resume
 
 
 @dataclass
@@ -271,12 +271,15 @@ def _set_fsdp(state: PortableState, model: torch.nn.Module, inner: Any, names: l
 
 
 def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strategy: str, model: torch.nn.Module,
-                optimizer: Any, scheduler: Any, weight_decay: float) -> dict[str, Any]:
+                optimizer: Any, scheduler: Any, weight_decay: float, run_dir: Path) -> dict[str, Any]:
     """Restore a checkpoint of another layout or strategy into this run's prepared model,
     optimizer and schedule, and each rank's random state; returns its loop state (as
-    checkpoint.load_checkpoint does for a checkpoint of this layout)."""
+    checkpoint.load_checkpoint does for a checkpoint of this layout). The conversion's
+    scratch (up to about three times the fp32 state) goes into this run's folder
+    `run_dir`, never the checkpoint's: that one may be read-only or shared, and another
+    run resuming the same checkpoint would remove it."""
     meta = read_marker(checkpoint)
-    scratch = checkpoint.parent / f"{SCRATCH_DIRNAME}_{checkpoint.name}"
+    scratch = run_dir / CHECKPOINTS_DIRNAME / f"{SCRATCH_DIRNAME}_{checkpoint.name}"
     bare = accelerator.unwrap_model(model)
     names = trainable_names(bare, weight_decay)
     try:

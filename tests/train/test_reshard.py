@@ -63,3 +63,38 @@ def test_which_resumes_are_read_across():
     assert not needs_reshard("zero3", "zero3", 2, 2)  # its own layout: Accelerate's load_state
     assert not needs_reshard("fsdp", "fsdp", 2, 4)  # DCP reshards as Accelerate's load_state reads it
     assert needs_reshard("zero3", "zero3", 2, 1) and needs_reshard("fsdp", "ddp", 2, 2) and needs_reshard("ddp", "fsdp", 1, 2)
+
+
+def test_a_read_across_writes_its_scratch_in_the_resuming_run_not_the_checkpoints_folder(tmp_path, monkeypatch):
+    """The conversion's scratch (about three times the fp32 state for ZeRO and FSDP) goes
+    into this run's folder: the checkpoint's own folder may be read-only or shared, and a
+    second resume of the same checkpoint would remove the first one's scratch. The
+    source's checkpoints folder is left as it was: same entries, same modification times."""
+    import json
+    import os
+
+    import runner.train.reshard as reshard
+
+    accelerator, model, optimizer, scheduler, vocab = build("gpt2")
+    ids = torch.randint(0, vocab, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    checkpoint = tmp_path / "source" / "checkpoints" / "step_1"
+    accelerator.save_state(str(checkpoint))
+    (checkpoint / "COMPLETE.json").write_text(json.dumps({"step": 1, "world_size": 1}))
+
+    def listing() -> dict[str, int]:
+        root = tmp_path / "source"
+        return {str(p.relative_to(root)): os.stat(p).st_mtime_ns for p in [root, *root.rglob("*")]}
+
+    before = listing()
+    scratches = []
+    prepare = reshard.prepare
+    monkeypatch.setattr(reshard, "prepare", lambda c, s, scratch: (scratches.append(scratch), prepare(c, s, scratch)))
+    _, fresh, fresh_optimizer, fresh_scheduler, _ = build("gpt2")
+    meta = reshard.load_across(accelerator, checkpoint, "ddp", "ddp", fresh, fresh_optimizer, fresh_scheduler, 0.01,
+                               tmp_path / "resumed")
+    assert meta["step"] == 1
+    assert listing() == before
+    assert scratches == [tmp_path / "resumed" / "checkpoints" / ".reshard_step_1"] and not scratches[0].exists()
