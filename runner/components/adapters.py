@@ -8,7 +8,6 @@ that matches nothing is refused naming the layers there are.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 ADAPTER_DIRNAME = "adapter"
-log = logging.getLogger(__name__)
 
 
 def uses_adapters(spec: PeftSpec) -> bool:
@@ -83,7 +81,6 @@ def tied_modules_to_save(spec: PeftSpec, model: Any) -> tuple[list[str], bool]:
                             f"tied pair ({pair[0]}, {pair[1]}: one weight), which peft can keep tied only under "
                             f"the names {EMBEDDING_LAYER_NAMES}. Remove them from peft.modules_to_save.")
         saved.append(named[-1])
-    log.info("peft.modules_to_save: %s and %s share one weight; it trains as one (peft's ensure_weight_tying)", *pair)
     return saved, True
 
 
