@@ -131,8 +131,10 @@ class PeftSpec:
     architecture. Or a list of names matched against the end of each module's name,
     e.g. [q_proj, v_proj] or [c_attn]."""
     modules_to_save: list[str] = field(default_factory=list)
-    """Modules trained fully beside the adapters and saved with them, e.g. [wte] or
-    [embed_tokens, lm_head] when new tokens are added."""
+    """Modules trained fully beside the adapters and saved with them, e.g. [wte] (GPT-2) or
+    [embed_tokens] when new tokens are added. Where the head is tied to the input
+    embedding (GPT-2, small Llama and Qwen models), naming either trains the one shared
+    weight for both (peft's ensure_weight_tying)."""
     save_merged: bool = False
     """Also write model/: the base with the adapters merged into its weights, a plain
     Hugging Face model. false: the run's output is adapter/ alone."""

@@ -20,6 +20,10 @@ optimizer: plainly under ddp; under fsdp through torch's `set_model_state_dict` 
 each rank's own shard or partition of the full tensors. The schedule and each rank's random state come from the same files
 as in a plain resume.
 
+With adapters (peft) the trainable parameters are the adapters and modules_to_save: they
+are the portable state, and the frozen base is this run's own pretrained model, which
+training never changed.
+
 Reading a checkpoint this way holds the whole fp32 state (weights and two moments) in
 each process's host memory, once, at the resume.
 """
@@ -40,14 +44,14 @@ from runner.components.optim import param_groups
 from runner.config.errors import UserError
 from runner.distributed.patches import ZERO2_LINK_READ_ACROSS_STATE, engaged
 from runner.distributed.strategy import innermost_optimizer
-from runner.train.checkpoint import read_marker
+from runner.train.checkpoint import CHECKPOINTS_DIRNAME, read_marker
 from runner.train.rng import restore_random_states
 
 log = logging.getLogger(__name__)
 
 READS = ("ddp", "zero2", "zero3", "fsdp")  # the checkpoints read into a portable state
 WRITES = ("ddp", "zero2", "zero3", "fsdp")  # the strategies a portable state is set into
-SCRATCH_DIRNAME = ".reshard"  # beside the run's checkpoints; removed after the resume
+SCRATCH_DIRNAME = ".reshard"  # in the resuming run's checkpoints folder; removed after the resume
 
 
 @dataclass
@@ -68,7 +72,7 @@ def needs_reshard(old_strategy: str, new_strategy: str, old_world: int, new_worl
     return old_strategy != new_strategy or (old_world != new_world and old_strategy not in ("ddp", "fsdp"))
 
 
-def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision: str, peft: str,
+def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision: str,
                 offload: bool = False) -> Optional[str]:
     """Why this checkpoint cannot be resharded into this run (None: it can)."""
     own = f"in the checkpoint's own layout ({old_world} processes under strategy={old_strategy})"
@@ -84,8 +88,6 @@ def unsupported(old_strategy: str, new_strategy: str, old_world: int, precision:
     if precision == "fp16":
         return (f"precision=fp16: the dynamic loss scale is kept by each strategy's own scaler and does not move "
                 f"across; resume {own}")
-    if peft != "none" and old_strategy in ("zero2", "zero3"):
-        return f"adapters (peft) under {old_strategy}: their partitions are not read across yet; resume {own}"
     return None
 
 
@@ -271,12 +273,15 @@ def _set_fsdp(state: PortableState, model: torch.nn.Module, inner: Any, names: l
 
 
 def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strategy: str, model: torch.nn.Module,
-                optimizer: Any, scheduler: Any, weight_decay: float) -> dict[str, Any]:
+                optimizer: Any, scheduler: Any, weight_decay: float, run_dir: Path) -> dict[str, Any]:
     """Restore a checkpoint of another layout or strategy into this run's prepared model,
     optimizer and schedule, and each rank's random state; returns its loop state (as
-    checkpoint.load_checkpoint does for a checkpoint of this layout)."""
+    checkpoint.load_checkpoint does for a checkpoint of this layout). The conversion's
+    scratch (up to about three times the fp32 state) goes into this run's folder
+    `run_dir`, never the checkpoint's: that one may be read-only or shared, and another
+    run resuming the same checkpoint would remove it."""
     meta = read_marker(checkpoint)
-    scratch = checkpoint.parent / f"{SCRATCH_DIRNAME}_{checkpoint.name}"
+    scratch = run_dir / CHECKPOINTS_DIRNAME / f"{SCRATCH_DIRNAME}_{checkpoint.name}"
     bare = accelerator.unwrap_model(model)
     names = trainable_names(bare, weight_decay)
     try:
@@ -285,6 +290,7 @@ def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strat
         accelerator.wait_for_everyone()
         state = read_state(checkpoint, old_strategy, names, scratch)
         scheduler.load_state_dict(torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False))
+        _one_rate_per_group(getattr(scheduler, "scheduler", scheduler), checkpoint)
         set_state(state, bare, optimizer, names, new_strategy, scheduler.get_last_lr())
         del state
     finally:
@@ -293,6 +299,23 @@ def load_across(accelerator: Any, checkpoint: Path, old_strategy: str, new_strat
             shutil.rmtree(scratch, ignore_errors=True)
     restore_random_states(checkpoint, accelerator.process_index, int(meta.get("world_size", accelerator.num_processes)))
     return meta
+
+
+def _one_rate_per_group(scheduler: Any, checkpoint: Path) -> None:
+    """The restored schedule's rates, one for each of this run's optimizer groups. ZeRO
+    leaves an empty group out of its optimizer, and its schedule then holds rates only for
+    the groups it kept: adapters alone have no bias or norm weight for the no-decay group.
+    Every group starts at one rate (runner/components/optim.py) and follows one schedule,
+    so the rates are one value, spread over this run's groups."""
+    groups = len(scheduler.optimizer.param_groups)
+    for key in ("base_lrs", "_last_lr"):
+        rates = list(getattr(scheduler, key))
+        if len(rates) == groups:
+            continue
+        if len(set(rates)) != 1:
+            raise UserError(f"checkpoint {checkpoint}: its schedule holds {len(rates)} different rates for this run's "
+                            f"{groups} parameter groups. Resume it in its own layout.")
+        setattr(scheduler, key, rates[:1] * groups)
 
 
 def _zero_flat_partitions(optimizer: Any, inner: Any) -> list[torch.Tensor]:

@@ -151,7 +151,7 @@ def layout_change_problems(old: RunSpec, new: RunSpec, old_world: int, new_world
         offload = any(o.value != "none" for spec in (old, new)
                       for o in (spec.strategy.offload_optimizer, spec.strategy.offload_params))
         why = unsupported(old.strategy.kind.value, new.strategy.kind.value, old_world, new.precision.kind.value,
-                          new.peft.kind.value, offload)
+                          offload)
         if why:
             problems.append(why)
     if before == after:

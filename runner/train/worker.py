@@ -406,7 +406,7 @@ def load_resume_point(spec: RunSpec, accelerator: Accelerator, trainer: Trainer,
             log.info(f"resume: reading {checkpoint.name} of {old_world} processes under {old.strategy.kind.value} into "
                      f"{accelerator.num_processes} under {spec.strategy.kind.value} (runner/train/reshard.py)")
         meta = load_across(accelerator, checkpoint, old.strategy.kind.value, spec.strategy.kind.value, trainer.model,
-                           trainer.optimizer, trainer.scheduler, spec.optim.weight_decay)
+                           trainer.optimizer, trainer.scheduler, spec.optim.weight_decay, trainer.run_dir)
     follow_plan(trainer.scheduler)  # the loaded rate is the checkpoint's plan's; the steps ahead follow this run's
     return meta
 

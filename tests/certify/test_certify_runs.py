@@ -97,6 +97,22 @@ def test_the_published_reshard_matrix_is_what_the_command_prints(tmp_path):
     assert sum("reshard.py" in log.read_text() for log in read_across) == 9  # zero2, zero3, fsdp x 3; ddp loads its own
 
 
+@pytest.mark.timeout(1200)
+def test_the_published_lora_reshard_matrix_is_what_the_command_prints(tmp_path):
+    """Adapters written by each strategy at 2 processes (zero2 partitions their optimizer
+    state, zero3 them and the frozen base), resumed on 1 process under ddp: every step after
+    the cut and the saved adapter/ against one process's uninterrupted run. GPT-2 (tied
+    head) and a grouped-query Llama."""
+    out = tmp_path / "matrix.md"
+    done = certify("gpt2", "llama", "--peft", "lora", "--reshard", "--work-dir", str(tmp_path / "runs"), "--out",
+                   str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = assert_published(out, ELASTIC_PAGE, "certify-reshard-lora", "runner certify --peft lora --reshard")
+    assert text.count("| exact | exact | exact | exact |") == 2
+    read_across = list((tmp_path / "runs").glob("*/fp32_lora_to_ddp_x1/*/run.log"))
+    assert sum("reshard.py" in log.read_text() for log in read_across) == 6  # zero2, zero3, fsdp x 2
+
+
 def test_a_strategy_that_fails_is_named_and_the_others_still_run(tmp_path):
     """zero2's rank 1 crashes at step 3 of its first leg: that launch ends there; zero3
     and fsdp run in the next one, ddp's run before it stands, and the resumes follow."""

@@ -19,6 +19,10 @@ CONFIGS = {
     # grouped-query attention, gated MLP, untied head
     "llama": lambda: LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=32),
+    # its head tied to the input embedding, as small Llama and Qwen models are
+    "tied-llama": lambda: LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+                                      tie_word_embeddings=True),
 }
 
 
@@ -130,3 +134,53 @@ def test_a_quantized_base_is_refused_in_one_line(compose_spec, tmp_path):
     problems = check_model(compose_spec("recipe=gpt2_clm_tiny", "peft=lora", f"model.name_or_path={tmp_path}"))
     assert len(problems) == 1 and "holds 4-bit weights (quant_method=bitsandbytes)" in problems[0], problems
     assert "QLoRA needs a CUDA GPU and bitsandbytes" in problems[0]
+
+
+@pytest.mark.parametrize("kind, saved", [("gpt2", ["wte"]), ("gpt2", ["lm_head"]), ("gpt2", ["transformer.wte"]),
+                                         ("tied-llama", ["embed_tokens"]), ("tied-llama", ["embed_tokens", "lm_head"])])
+def test_a_tied_embedding_in_modules_to_save_stays_tied_to_the_head(kind, saved, tmp_path):
+    """GPT-2 (and a Llama with tie_word_embeddings) reads tokens and predicts them with one
+    weight. Naming either half in modules_to_save trains that one weight, read and
+    predicted alike (peft's ensure_weight_tying): a trained input embedding with the
+    original head beside it would read added tokens and never predict them. adapter/
+    loads back with the same logits."""
+    from peft import PeftModel
+
+    base = model(kind)
+    original = base.get_input_embeddings().weight.detach().clone()
+    wrapped = add_adapters(PeftSpec(kind=PeftKind.lora, rank=4, dropout=0.0, modules_to_save=saved), base)
+    optimizer = build_optimizer(OptimSpec(lr=1e-2, fused=False), wrapped, 1e-2)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    embedding, head = wrapped.get_input_embeddings(), wrapped.get_output_embeddings()
+    read = getattr(embedding, "modules_to_save", {"default": embedding})["default"].weight
+    predicted = getattr(head, "modules_to_save", {"default": head})["default"].weight
+    moved = (read - original).abs().max().item()
+    gap = (predicted - read).abs().max().item()
+    assert moved > 1e-3 and gap == 0.0, f"input embedding moved {moved:.3g}; the head is {gap:.3g} from it"
+    wrapped.eval()
+    wrapped.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(model(kind), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, wrapped(input_ids=ids).logits, rtol=0, atol=1e-6)
+
+
+def test_a_tied_pair_peft_cannot_tie_is_refused_by_name():
+    """peft ties a pair only by the names embed_tokens and lm_head: BERT as a decoder
+    (word_embeddings tied to cls.predictions.decoder) is refused rather than trained with
+    half of its pair."""
+    from transformers import BertConfig
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+        max_position_embeddings=32, is_decoder=True))
+    with pytest.raises(UserError) as err:
+        add_adapters(PeftSpec(kind=PeftKind.lora, target_modules=["query"], modules_to_save=["word_embeddings"]), base)
+    assert err.value.problems == [
+        "peft.modules_to_save: ['word_embeddings'] names one of this bert model's tied pair "
+        "(bert.embeddings.word_embeddings, cls.predictions.decoder: one weight), which peft can keep tied only under "
+        "the names ['embed_tokens', 'lm_head']. Remove them from peft.modules_to_save."]
