@@ -85,6 +85,7 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
+    from runner.components.chunked_loss import install
     from runner.components.data import collate_for, prepare
     from runner.config.paths import asset_path
     from runner.train.trainer import Trainer
@@ -93,9 +94,14 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
     data = prepare(spec.data, tokenizer, 256)
     loader = DataLoader(data.validation, batch_size=4, collate_fn=collate_for(spec.data, data.pad_id))
-    holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader,
+    chunked, _ = install(model, probe=False)  # as runs evaluate: through the chunked head
+    holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader, chunked_loss=chunked,
                              strategy=SimpleNamespace(after_evaluation=lambda model: None), compiled=False)
-    return Trainer.evaluate(holder)  # type: ignore[arg-type]
+    holder._token_scores = lambda batch: Trainer._token_scores(holder, batch)  # type: ignore[arg-type]
+    try:
+        return Trainer.evaluate(holder)  # type: ignore[arg-type]
+    finally:
+        chunked.remove()
 
 
 def test_packed_and_padded_evaluation_of_the_same_examples_agree(packed_run, compose_spec):
