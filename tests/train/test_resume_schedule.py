@@ -6,6 +6,7 @@ load_resume_point). The rate used is read from the optimizer's group as each ste
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +30,7 @@ def _fresh_state():
     reset_accelerate_state()
 
 
-def built(spec, total_steps: int) -> SimpleNamespace:
+def built(spec, total_steps: int, run_dir: Path) -> SimpleNamespace:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16, vocab_size=64))
     optimizer = build_optimizer(spec.optim, model, LR)
@@ -37,7 +38,7 @@ def built(spec, total_steps: int) -> SimpleNamespace:
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler)
+    return SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, run_dir=run_dir)
 
 
 def train(run: SimpleNamespace, steps: int) -> list[float]:
@@ -63,7 +64,7 @@ def cosine(step: int, total: int) -> float:
 @pytest.mark.parametrize("path", ["load_state", "read_across"])
 def test_each_resumed_step_trains_at_the_rate_the_new_plan_declares(compose_spec, tmp_path, monkeypatch, path):
     four = compose_spec("schedule=cosine", "schedule.warmup_steps=0", f"optim.lr={LR}", "train.max_steps=4")
-    first = built(four, 4)
+    first = built(four, 4, tmp_path)
     assert train(first, 4) == pytest.approx([cosine(k, 4) for k in range(4)], rel=1e-12, abs=0)
     checkpoint = save_checkpoint(first.accelerator, tmp_path, 4, keep=1, extra={"epoch": 0, "world_size": 1},
                                  spec_yaml=spec_to_yaml(four))
@@ -73,12 +74,12 @@ def test_each_resumed_step_trains_at_the_rate_the_new_plan_declares(compose_spec
         monkeypatch.setattr(worker, "needs_reshard", lambda *args: True)
 
     eight = compose_spec("schedule=cosine", "schedule.warmup_steps=0", f"optim.lr={LR}", "train.max_steps=8")
-    resumed = built(eight, 8)
+    resumed = built(eight, 8, tmp_path / "resumed")  # a read-across writes its scratch there
     worker.load_resume_point(eight, resumed.accelerator, resumed, checkpoint)
     assert resumed.scheduler.last_epoch == 4
     assert resumed.scheduler.get_last_lr() == [g["lr"] for g in resumed.optimizer.param_groups]
     assert train(resumed, 4) == pytest.approx([cosine(k, 8) for k in range(4, 8)], rel=1e-12, abs=0)
 
-    same = built(four, 4)  # an unchanged plan: the stored rates back, bit for bit
+    same = built(four, 4, tmp_path / "same")  # an unchanged plan: the stored rates back, bit for bit
     worker.load_resume_point(four, same.accelerator, same, checkpoint)
     assert same.scheduler.get_last_lr() == stored == [g["lr"] for g in same.optimizer.param_groups]
