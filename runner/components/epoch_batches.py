@@ -56,7 +56,8 @@ class EpochBatches:
     round-robin over `world_size` ranks: global step k is the order's samples
     [k * global batch, (k + 1) * global batch) in every layout. With several ranks the
     last round is completed by fillers (indices from len(sampler) on), so every rank gets
-    as many batches, each full: none of the epoch's samples is trained twice."""
+    as many batches, each full (on one process, the last batch is filled): none of the
+    epoch's samples is trained twice."""
 
     def __init__(self, sampler: Any, batch_size: int, world_size: int) -> None:
         self.sampler, self.batch_size, self.world_size = sampler, batch_size, world_size
@@ -68,8 +69,11 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[list[int]]:
         order = list(iter(self.sampler))
-        if self.world_size > 1:  # one process trains a short last batch as it is
-            order += range(len(order), len(self) * self.batch_size)  # fillers
+        # Fillers, on one process too: a short last batch is completed to full size, so a
+        # micro-batch holds the same rows in every layout. Its cross-entropy is the same
+        # either way; a model's own addition over a micro-batch's tokens (a mixture of
+        # experts' router loss, a product of means over them) is not.
+        order += range(len(order), len(self) * self.batch_size)
         for start in range(0, len(order), self.batch_size):
             yield order[start:start + self.batch_size]
 

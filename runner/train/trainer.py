@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import NO_COMPILE, compile_stats
-from runner.components.instruct import IGNORE_INDEX, model_inputs, row_real_tokens, token_losses
-from runner.components.loss_parts import CrossEntropyTap, weighted
+from runner.components.instruct import model_inputs, token_losses
+from runner.components.loss_parts import CrossEntropyTap, weighted, window_counts
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
@@ -297,18 +297,9 @@ class Trainer:
             window = list(islice(it, min(accum - self.accelerator.step % accum, left)))
             if not window:
                 return
-            # Trained tokens (the loss's divisor) and real ones (the rates'), one all-reduce;
-            # counted on the device, so the host never waits for it.
-            device = self.accelerator.device
-            counted = torch.stack([
-                torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in window]).sum(),
-                torch.stack([row_real_tokens(b).to(device).sum() for b in window]).sum(),
-            ]).to(torch.int64)
-            if self.accelerator.num_processes > 1:
-                torch.distributed.all_reduce(counted)
-            total = counted[0].float()
+            counts = window_counts(window, self.accelerator.device, self.accelerator.num_processes > 1)
             s = self.state
-            s.real_tokens = counted[1] if s.real_tokens is None else s.real_tokens + counted[1]
+            s.real_tokens = counts.real_tokens if s.real_tokens is None else s.real_tokens + counts.real_tokens
             # Accelerate's loader marks the end of data when it hands out the last batch,
             # here already read; the window's earlier micro-batches must not see it, or
             # the step would be taken after the first of them.
@@ -317,7 +308,8 @@ class Trainer:
             for index, batch in enumerate(window):
                 if loader is not None:
                     loader.end_of_dataloader = ended and index == len(window) - 1
-                yield {**batch, "num_items_in_batch": total, "window_micro_batches": len(window)}
+                yield {**batch, "num_items_in_batch": counts.trained_tokens, "window_micro_batches": len(window),
+                       "added_share": counts.added_shares[index]}
 
     def _epoch_batches(self) -> Any:
         """This epoch's batches from the current data position (exact after a resume)."""
@@ -463,6 +455,7 @@ class Trainer:
         acc, s = self.accelerator, self.state
         with acc.accumulate(self.model):
             items, micro = batch.pop("num_items_in_batch", None), batch.pop("window_micro_batches", None)
+            added_share = batch.pop("added_share", None)
             if items is None:
                 with self._loss_over_chunks(batch):
                     loss = logged = self.model(**self._inputs(batch, labels=True)).loss
@@ -472,12 +465,14 @@ class Trainer:
                 # FSDP) and divides by the accumulation (Accelerate, DeepSpeed): undone here,
                 # so the step's gradient is that of the sum over all its tokens / their number.
                 # The log averages over ranks and the window's micro-batches. What the model
-                # adds (a router loss) is a mean per micro-batch: averaged over the window's.
+                # adds (a router loss) is a mean per micro-batch: averaged over the step's
+                # micro-batches that are not all fillers, on all ranks (`added_share`).
                 with self._loss_over_chunks(batch):
                     share = self.model(**self._inputs(batch, labels=True), num_items_in_batch=items).loss
                 cross_entropy, accum = self.cross_entropy.take(), self.plan.grad_accum_steps
-                loss = weighted(share, cross_entropy, acc.num_processes * accum, accum / micro)
-                logged = weighted(share, cross_entropy, acc.num_processes * micro, 1.0)
+                undo = acc.num_processes * accum  # what backward divides by: ranks x accumulation
+                loss = weighted(share, cross_entropy, undo, undo * added_share)
+                logged = weighted(share, cross_entropy, acc.num_processes * micro, acc.num_processes * micro * added_share)
             self.strategy.backward(acc, loss)  # under DeepSpeed too, nothing is stepped yet
             self._count_compile()
             if acc.sync_gradients:
