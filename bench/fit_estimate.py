@@ -22,7 +22,7 @@ from pathlib import Path
 
 from strategy_memory import tensor_peak_mb  # bench/ is the script's folder, first on sys.path
 
-from runner.report.memory_estimate import COMPARED_STRATEGIES
+from runner.launch.memory_estimate import COMPARED_STRATEGIES
 
 # One config per architecture: big enough that activations and model states both count
 # (16-20M parameters, most in the 50,257-token embedding), small enough for a CPU in bf16.

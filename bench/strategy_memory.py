@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.report.memory_estimate import COMPARED_STRATEGIES
+from runner.launch.memory_estimate import COMPARED_STRATEGIES
 
 EXTRA: list[str] = []  # set from the command line
 TENSOR_PEAK_HOOK = Path(__file__).parent / "tensor_peak"  # its sitecustomize.py profiles one step per rank

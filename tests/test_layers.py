@@ -1,6 +1,9 @@
-"""runner's packages import only downward, with no cycle inside a group: the contracts in
-pyproject.toml, checked by import-linter (the same check as `lint-imports`)."""
+"""runner's packages import only downward, with no cycle inside a group, and the narrower
+rules (components/ and report/ never import distributed/; the worker and the trainer never
+import a concrete strategy): the contracts in pyproject.toml, checked by import-linter (the
+same check as `lint-imports`)."""
 
+import tomllib
 from pathlib import Path
 
 from importlinter.cli import lint_imports
@@ -13,4 +16,6 @@ def test_imports_point_one_way_between_packages(monkeypatch, capsys):
     code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "2 kept, 0 broken" in out
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert len(contracts) >= 5, contracts  # the layers, no cycles, and the forbidden imports
+    assert f"{len(contracts)} kept, 0 broken" in out

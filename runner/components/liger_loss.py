@@ -15,14 +15,23 @@ module with its kernel replaced by the same computation in torch.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any, Callable, Optional
 
 import torch
 
 from runner.components.instruct import IGNORE_INDEX
-from runner.distributed.patches import installed_version
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def installed_version(library: str) -> Optional[str]:
+    """The installed version of `library`, None when it is not installed (read here:
+    components/ never imports distributed/, where runner/distributed/patches.py reads its own)."""
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def gpu_present() -> bool:

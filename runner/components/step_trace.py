@@ -6,7 +6,7 @@ PyTorch's own tools do the work: the model is built and run under `FakeTensorMod
 (shapes, dtypes and devices, no data and no memory, so a 7B config traces on a laptop),
 and `torch.distributed._tools.mem_tracker.MemTracker` classifies every live storage as a
 parameter, a gradient, an activation or a temporary. What the trace cannot see is a
-strategy's sharding and its buffers; runner.report.memory_estimate adds those to it.
+strategy's sharding and its buffers; runner.launch.memory_estimate adds those to it.
 """
 
 from __future__ import annotations

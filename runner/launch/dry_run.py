@@ -8,7 +8,7 @@ from runner.components.data import PreparedData
 from runner.components.stream import StreamedData
 from runner.config.spec import RunSpec, spec_to_yaml
 from runner.launch.fit import Budget, Planner, gib, verdict_lines
-from runner.report.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate
+from runner.launch.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
 
 

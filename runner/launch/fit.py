@@ -18,7 +18,7 @@ from runner.components.model import build_config, count_parameters, count_traina
 from runner.components.step_trace import Numerics, StepTrace, trace_step
 from runner.config.errors import UserError
 from runner.config.spec import OffloadDevice, PeftSpec, RunSpec
-from runner.report.memory_estimate import MemoryEstimate, estimate_memory, with_activations
+from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
 # A name with no size picks the larger variant (A100 -> 80); `A100-40GB` names the other.

@@ -5,7 +5,7 @@ import pytest
 
 from runner.config.errors import UserError
 from runner.launch import fit
-from runner.report.memory_estimate import MemoryEstimate, with_activations
+from runner.launch.memory_estimate import MemoryEstimate, with_activations
 
 TINY = ["recipe=gpt2_clm_tiny", "model.config_overrides='n_embd=64,n_layer=2,n_head=4,n_positions=128'"]
 
