@@ -15,7 +15,7 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -32,7 +32,6 @@ from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, worl
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.train import worker
-from runner.train.ledger import LAUNCH_TIME_ENV
 
 
 def free_port() -> int:
@@ -59,7 +58,7 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
 
 
-def _run_in_process(spec: RunSpec) -> None:
+def _run_in_process(spec: RunSpec, launched: Optional[float]) -> None:
     saved = dict(os.environ)
     if build_strategy(spec.strategy, spec.precision).needs_process_group():
         # DeepSpeed always wants a process group, even of one.
@@ -67,7 +66,7 @@ def _run_in_process(spec: RunSpec) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
     try:
-        worker.run(spec)
+        worker.run(spec, launched)
     finally:
         # A sweep runs its jobs in this process: leave no state for the next one, also
         # after a job that failed before it could close its (one-process) group.
@@ -79,10 +78,13 @@ def _run_in_process(spec: RunSpec) -> None:
 
 
 @record
-def _worker_entry(*spec_paths: str) -> None:
+def _worker_entry(launched: Optional[float], *spec_paths: str) -> None:
+    """A spawned worker: each run of `spec_paths` in turn. `launched`: the launch's start for
+    the goodput ledger (runner/train/ledger.py), handed to a restarted worker unchanged (torch
+    elastic keeps the entry's arguments); None: each run starts its own."""
     try:
         for spec_path in spec_paths:
-            worker.main(spec_path)
+            worker.main(spec_path, launched)
             # The next run in this process (runner certify) starts from nothing: a
             # finished run closed its process group; Accelerate and DeepSpeed keep theirs.
             reset_accelerate_state()
@@ -94,9 +96,11 @@ def _worker_entry(*spec_paths: str) -> None:
         raise SystemExit(USAGE_EXIT_CODE) from None
 
 
-def launch(spec: RunSpec, spec_path: Path) -> None:
+def launch(spec: RunSpec, spec_path: Path, launched: Optional[float] = None) -> None:
+    """Run the workers of one frozen run. `launched`: when the launch began (runner/launch/start.py),
+    where the goodput ledger's wall time starts; None: when the worker takes the run."""
     with planned_world(spec):
-        _launch(spec, spec_path)
+        _launch(spec, spec_path, launched)
 
 
 def launch_in_turn(spec: RunSpec, spec_paths: list[Path]) -> None:
@@ -105,12 +109,10 @@ def launch_in_turn(spec: RunSpec, spec_paths: list[Path]) -> None:
     dozens of seconds-long runs). `spec` stands for them all: they share its launch
     settings (one node, launch.nproc_per_node workers, no restarts)."""
     assert spec.launch.nnodes == 1 and spec.launch.max_restarts == 0, "one node, no restarts"
-    # Each run's ledger starts with the run itself, not with an earlier launch of this process.
-    os.environ.pop(LAUNCH_TIME_ENV, None)
     with planned_world(spec):
         nproc = resolve_nproc(spec.launch)
         prepare_environment(nproc, spec.launch.debug)
-        _spawn(spec, nproc, [str(p) for p in spec_paths])
+        _spawn(spec, nproc, [str(p) for p in spec_paths], None)  # each run's ledger starts with the run itself
 
 
 @contextmanager
@@ -129,22 +131,22 @@ def planned_world(spec: RunSpec) -> Iterator[None]:
             os.environ[PLANNED_WORLD_SIZE_ENV] = previous
 
 
-def _launch(spec: RunSpec, spec_path: Path) -> None:
+def _launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
     if joined_launch() is not None:  # we are rank 0 of an outside launch
         prepare_environment(1, spec.launch.debug)
-        worker.run(spec)
+        worker.run(spec, launched)
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
     if nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
-        _run_in_process(spec)
+        _run_in_process(spec, launched)
         return
     # More than one worker, or one that may need restarting (launch.max_restarts): a
     # worker in this process could not be restarted after a crash, so it is spawned.
-    _spawn(spec, nproc, [str(spec_path)])
+    _spawn(spec, nproc, [str(spec_path)], launched)
 
 
-def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str]) -> None:
+def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[float]) -> None:
     multi_node = spec.launch.nnodes > 1
     endpoint = spec.launch.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     config = LaunchConfig(
@@ -167,6 +169,6 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str]) -> None:
     if multi_node:
         check_endpoint(spec.launch, endpoint)
     try:
-        elastic_launch(config, _worker_entry)(*spec_paths)
+        elastic_launch(config, _worker_entry)(launched, *spec_paths)
     except RendezvousError as err:
         raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -28,7 +29,6 @@ from runner.launch.dry_run import report
 from runner.launch.launcher import launch
 from runner.launch.preflight import check_stream_step, prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
-from runner.train.ledger import stamp_launch
 from runner.train.resume import ResumePlan, check_resume, start_branch
 from runner.train.signals import EXIT_CODES
 
@@ -51,11 +51,11 @@ def start(
 ) -> None:
     """Validate, claim the run folder, freeze the spec, launch. Used by `runner ...`,
     `runner --spec` and each sweep job."""
-    stamp_launch()  # the goodput ledger's wall time starts here (runner/train/ledger.py)
+    launched = time.time()  # the goodput ledger's wall time starts here (runner/train/ledger.py)
     spec_path = claim(spec, run_dir, overwrite, composed, overrides, run_dir_chosen)
     if spec_path is not None:
         with launch_failures(spec, run_dir):
-            launch(spec, spec_path)
+            launch(spec, spec_path, launched)
 
 
 def claim(

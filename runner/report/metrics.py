@@ -178,10 +178,10 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         return _fmt(results[key])
 
     rows = [(label, shown(key)) for key, label in keys if results.get(key) is not None or (key == "train_mfu" and key in results)]
-    ledger = results.get("goodput")
+    ledger = results.get("goodput")  # the goodput ledger's figures (runner/train/ledger.py), shown as they are
     if ledger and ledger.get("goodput") is not None:
         parts = ledger["parts_seconds"]
-        rows.append(("goodput", f"{100 * ledger['goodput']:.1f}% of {ledger['wall_seconds']:,.0f} s"))
+        rows.append(("goodput", f"{ledger['goodput']:.1%} of {ledger['wall_seconds']:,.0f} s"))
         rows += [(f"  {name.replace('_', ' ')} (s)", f"{seconds:,.1f}") for name, seconds in parts.items()
                  if seconds or name == "steps"]
     if results.get("trainable_parameters") and results["trainable_parameters"] != results.get("total_parameters"):

@@ -18,14 +18,21 @@ split into parts that add up to it:
   dead attempt's first batch) to the new attempt's first batch: the work redone since
   plus the restart itself. An attempt that died before its first batch is lost whole.
 
-Goodput is steps / wall. The launcher stamps the launch's start in the environment
-(`LAUNCH_TIME_ENV`), which torch elastic hands to restarted workers unchanged, with the
-attempt's number (`TORCHELASTIC_RESTART_COUNT`; `restarts` in the report). When the
-loop begins, and after each checkpoint, rank 0 records the ledger so far (`ledger.json`
-in the run folder, with the step a restart would start from); a restarted attempt that
-starts from that step in the same launch carries those parts over and counts the rest
-as lost. A resume in a new launch (resume=auto the next day) starts a new ledger: its
-wall time is its own.
+Goodput is steps / wall. This module owns the arithmetic: the parts are added here (the
+loop's steps are its own time less what it spent in the other parts), and `results`
+totals them against the wall time; the trainer and the worker only say what happened,
+and runner/report/ prints the figures it is given.
+
+The launch's start is taken once, by runner.launch.start, and passed down as a value: to
+the worker in this process, or as an argument of the spawned workers' entry
+(runner.launch.launcher), which torch elastic hands to restarted workers unchanged, with
+the attempt's number (`TORCHELASTIC_RESTART_COUNT`; `restarts` in the report). A run
+handed no start (runner certify's runs in turn, a rank joined from an outside launch)
+starts its own when the worker takes it. When the loop begins, and after each
+checkpoint, rank 0 records the ledger so far (`ledger.json` in the run folder, with the
+step a restart would start from); a restarted attempt that starts from that step in the
+same launch carries those parts over and counts the rest as lost. A resume in a new
+launch (resume=auto the next day) starts a new ledger: its wall time is its own.
 
 From the measured save time and `launch.mtbf_hours`, the run suggests a checkpoint
 interval by Young and Daly's rule: sqrt(2 x save time x MTBF).
@@ -41,22 +48,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-LAUNCH_TIME_ENV = "RUNNER_LAUNCH_TIME"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torch elastic's, in every worker it starts
 LEDGER_FILENAME = "ledger.json"
 PARTS = ("startup", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
-
-
-def launch_time() -> float:
-    """When this launch began (wall clock): stamped by the launcher, or by the worker for
-    a run handed to it in turn or joined from an outside launch (worker.run)."""
-    stamped = os.environ.get(LAUNCH_TIME_ENV)
-    return float(stamped) if stamped else time.time()
-
-
-def stamp_launch() -> None:
-    """The launcher, once per launch (each job of a sweep is a launch of its own)."""
-    os.environ[LAUNCH_TIME_ENV] = repr(time.time())
 
 
 def restart_count() -> int:
@@ -83,8 +77,34 @@ class Ledger:
     restarts: int = 0  # which attempt this is (0: the first; torch elastic's restart count)
     attempt_start: Optional[float] = None  # a restarted attempt: when its process started
 
+    def __post_init__(self) -> None:
+        # The loop's own clock (not recorded): while it runs, its time less what went to the
+        # other parts is its steps' time.
+        self._loop_started: Optional[float] = None  # time.perf_counter() at its start
+        self._loop_elsewhere = 0.0  # the loop's seconds booked to the other parts
+
     def add(self, part: str, seconds: float) -> None:
+        """`seconds` went to `part` (during the loop: not to its steps)."""
         self.parts[part] += max(seconds, 0.0)
+        if self._loop_started is not None:
+            self._loop_elsewhere += seconds
+
+    def start_loop(self) -> float:
+        """The training loop starts now; returns time.perf_counter() at it."""
+        self._loop_started, self._loop_elsewhere = time.perf_counter(), 0.0
+        return self._loop_started
+
+    def end_loop(self) -> None:
+        """The loop is over: its steps' time is final."""
+        self.parts = self.so_far().parts
+        self._loop_started = None
+
+    def so_far(self) -> "Ledger":
+        """A copy with the loop's steps until now."""
+        ledger = self.copy()
+        if self._loop_started is not None:
+            ledger.add("steps", time.perf_counter() - self._loop_started - self._loop_elsewhere)
+        return ledger
 
     def begin(self, now: float, step: int) -> str:
         """The loop starts at wall clock `now`, at `step`: the time before it is start-up,
@@ -103,6 +123,11 @@ class Ledger:
         self.add("startup", now - started)
         return "startup"
 
+    def results(self, last_step: int, save_every: int, mtbf_hours: Optional[float]) -> dict[str, Any]:
+        """all_results.json's `goodput` entry at the end of the run: the wall time is the
+        launch's until now (see `report`)."""
+        return report(self, time.time() - self.launch, last_step, save_every, mtbf_hours)
+
     def add_save(self, seconds: float) -> None:
         self.add("checkpoint_saves", seconds)
         self.saves += 1
@@ -118,9 +143,10 @@ class Ledger:
 
 def write_snapshot(run_dir: Path, ledger: Ledger, step: int) -> None:
     """Rank 0, when the loop begins and after a checkpoint is complete: the ledger up to
-    it and the step a restart would start from (atomic rename)."""
+    it (the loop's steps so far included) and the step a restart would start from (atomic
+    rename)."""
     tmp = run_dir / f".{LEDGER_FILENAME}.tmp"
-    tmp.write_text(json.dumps(ledger.snapshot(step)))
+    tmp.write_text(json.dumps(ledger.so_far().snapshot(step)))
     tmp.replace(run_dir / LEDGER_FILENAME)
 
 

@@ -29,7 +29,7 @@ from runner.distributed.process_group import all_ranks_agree
 from runner.distributed.strategy import Strategy
 from runner.report.metrics import MetricsWriter, Progress, current_memory_mb, perplexity, window_peak_memory_mb
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_rank_state, save_checkpoint
-from runner.train.ledger import Ledger, launch_time, resumed, write_snapshot
+from runner.train.ledger import Ledger, resumed, write_snapshot
 from runner.train.plan import RunPlan
 from runner.train.signals import Stopped, StopRequest
 from runner.train.verdict import NonFiniteStep, Verdicts
@@ -108,6 +108,7 @@ class Trainer:
         token_weighted: bool = False,
         chunked_loss: Optional[ChunkedLoss] = None,
         compiled: bool = False,
+        ledger: Optional[Ledger] = None,
     ) -> None:
         self.accelerator = accelerator
         self.strategy = strategy  # backward, norm, step, loss scale: the strategy's own
@@ -160,11 +161,8 @@ class Trainer:
         self.data_record = data_record or {}
         self.data_wait = 0.0  # seconds spent waiting for training batches, after the first
         self.first_batch_wait: Optional[float] = None  # opening the data (a stream reads its first window)
-        # Where the launch's wall time goes (runner/train/ledger.py). `_loop_started` and
-        # `_loop_elsewhere` (the loop's seconds in the other parts) give its steps' share.
-        self.ledger = resumed(run_dir, launch_time(), 0)  # a restart before any checkpoint carries it on
-        self._loop_started: Optional[float] = None
-        self._loop_elsewhere = 0.0
+        # Where the launch's wall time goes (runner/train/ledger.py), from the worker.
+        self.ledger = ledger if ledger is not None else Ledger(time.time())
         self._first_batch_part = "startup"
         # model.compile: what compiling cost this run (torch counts per process: an earlier
         # run of an in-process sweep is left out), moved out of the part it happened in.
@@ -179,7 +177,7 @@ class Trainer:
         self._first_batch_part = self.ledger.begin(time.time(), s.step)
         if self.accelerator.is_main_process:  # a restart before the next checkpoint starts from here too
             write_snapshot(self.run_dir, self.ledger, s.step)
-        started = window_start = self._loop_started = time.perf_counter()
+        started = window_start = self.ledger.start_loop()
         window_steps = 0
         self._logged_real_tokens = self._real_tokens()
         self.model.train()
@@ -221,18 +219,10 @@ class Trainer:
             self.stop.restore()
             progress.close()
         runtime = time.perf_counter() - started
-        self.ledger = self._ledger_now()  # the loop is over: its steps' time is final
-        self._loop_started = None
+        self.ledger.end_loop()  # its steps' time is final
         self._read_verdict()
         eval_results = self.final_eval if self.final_eval is not None else self._evaluate_and_log(None)
         return self._train_results(runtime), eval_results
-
-    def _ledger_now(self) -> Ledger:
-        """The ledger with the loop's steps so far: its time less what went to the other parts."""
-        ledger = self.ledger.copy()
-        if self._loop_started is not None:
-            ledger.add("steps", time.perf_counter() - self._loop_started - self._loop_elsewhere)
-        return ledger
 
     def _elsewhere(self, part: str, seconds: float) -> None:
         """Loop time spent in `part`, not in steps."""
@@ -240,8 +230,6 @@ class Trainer:
             self.ledger.add_save(seconds)
         else:
             self.ledger.add(part, seconds)
-        if self._loop_started is not None:
-            self._loop_elsewhere += seconds
 
     def _count_compile(self) -> float:
         """Compile seconds since the last count, moved into the ledger's `compile` part
@@ -371,7 +359,7 @@ class Trainer:
         path = self._save_checkpoint()
         self._elsewhere("checkpoint_saves", time.perf_counter() - started)
         if self.accelerator.is_main_process:  # a restart in this launch carries the ledger on from here
-            write_snapshot(self.run_dir, self._ledger_now(), self.state.step)
+            write_snapshot(self.run_dir, self.ledger, self.state.step)
         return path
 
     def _save_checkpoint(self) -> Path:

@@ -72,8 +72,7 @@ from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_chec
 from runner.train.determinism import use_deterministic_kernels
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.plan import RunPlan, banner, plan_run
-from runner.train.ledger import LAUNCH_TIME_ENV, stamp_launch
-from runner.train.ledger import report as ledger_report
+from runner.train.ledger import Ledger, restart_count, resumed
 from runner.train.reshard import load_across, needs_reshard
 from runner.train.resume import Recorded, recorded_at_end, resolve
 from runner.train.rng import loader_generator, seed_training_stream
@@ -108,34 +107,30 @@ class Loaders:
     sampler: EpochSampler | BlockStream  # the trainer sets its epoch
 
 
-def run(spec: Optional[RunSpec]) -> dict[str, Any]:
-    """Join the process group (if any), agree on rank 0's spec, train."""
-    # The ledger's wall time starts with the launch; a run handed to workers in turn
-    # (runner certify) or joined from an outside launch starts it here, for itself.
-    owned = LAUNCH_TIME_ENV not in os.environ
-    if owned:
-        stamp_launch()
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Before the spec is known (a joined follower) the default timeout applies.
-            init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
-            spec = agree_on_spec(spec)
-        assert spec is not None, "a single process always has its spec"
-        return train(spec)
-    finally:
-        if owned:
-            os.environ.pop(LAUNCH_TIME_ENV, None)
+def run(spec: Optional[RunSpec], launched: Optional[float] = None) -> dict[str, Any]:
+    """Join the process group (if any), agree on rank 0's spec, train. `launched`: when the
+    launch began (runner/launch/start.py), where the goodput ledger's wall time starts; a run
+    handed to workers in turn (runner certify) or joined from an outside launch starts it here."""
+    launched = time.time() if launched is None else launched
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Before the spec is known (a joined follower) the default timeout applies.
+        init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
+        spec = agree_on_spec(spec)
+    assert spec is not None, "a single process always has its spec"
+    return train(spec, launched)
 
 
-def main(spec_path: str) -> None:
+def main(spec_path: str, launched: Optional[float] = None) -> None:
     """Entry for a spawned worker process."""
     # torch.distributed's deprecation notices, once per collective per rank, bury the log.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    run(load_spec(Path(spec_path)))
+    run(load_spec(Path(spec_path)), launched)
 
 
-def train(spec: RunSpec) -> dict[str, Any]:
+def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
+    """Set up in named steps, train, finish. `launched`: the launch's start (None: now)."""
     run_dir = Path(spec.run_dir)
+    ledger = resumed(run_dir, time.time() if launched is None else launched, 0)  # a restart carries it on
     use_deterministic_kernels(spec.train.deterministic)  # 1, before anything touches CUDA
     set_host_memory_policy(spec)  # 1
     # This run's own peak, also as the next job of an in-process sweep: what an earlier
@@ -172,7 +167,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     )
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
-                           data_record(spec, data))
+                           data_record(spec, data), ledger)
     recorded = restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
@@ -323,7 +318,8 @@ def data_record(spec: RunSpec, data: PreparedData | StreamedData) -> dict[str, A
 
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
                  train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, built: Built,
-                 block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any]) -> Trainer:
+                 block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any],
+                 ledger: Ledger) -> Trainer:
     t, config = spec.train, built.config
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
@@ -352,6 +348,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model)),
                                               plan.trainable),
         peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
+        ledger=ledger,
     )
 
 
@@ -468,8 +465,7 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     if accelerator.is_main_process and recorded.results:
         results = json.loads((run_dir / "all_results.json").read_text())  # as written at this step, left as it is
     elif accelerator.is_main_process:
-        train_results["goodput"] = ledger_report(trainer.ledger, time.time() - trainer.ledger.launch,
-                                                 trainer.state.step, spec.train.save_every, spec.launch.mtbf_hours)
+        train_results["goodput"] = trainer.ledger.results(trainer.state.step, spec.train.save_every, spec.launch.mtbf_hours)
         train_results["train_samples_total"] = None if isinstance(data, StreamedData) else len(data.train)
         train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
         if isinstance(data, PreparedData) and data.counts:  # instruction formats: examples, rows, trained tokens
@@ -558,7 +554,7 @@ def tracker_kwargs(start_step: int) -> dict[str, dict[str, Any]]:
 
 def _resume_point(spec: RunSpec, run_dir: Path) -> Optional[Path]:
     """resume=auto|PATH, or after a crash restart (launch.max_restarts) the newest checkpoint."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if restart_count() > 0:
         return latest_checkpoint(run_dir)
     return resolve(spec, run_dir)
 

@@ -22,7 +22,7 @@ def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeyp
     monkeypatch.delenv(launch_module.PLANNED_WORLD_SIZE_ENV, raising=False)
     seen = []
 
-    def fake_launch(spec, spec_path):
+    def fake_launch(spec, spec_path, launched):
         seen.append(os.environ.get(launch_module.PLANNED_WORLD_SIZE_ENV))
         raise RuntimeError("worker failed")
 
@@ -31,6 +31,30 @@ def test_the_planned_world_size_is_handed_to_workers_and_not_left_behind(monkeyp
         launch_module.launch(RunSpec(), spec_path=None)
     assert seen == ["1"]
     assert launch_module.PLANNED_WORLD_SIZE_ENV not in os.environ
+
+
+def test_the_launch_start_is_handed_to_the_workers_as_a_value(compose_spec, monkeypatch, tmp_path):
+    """The goodput ledger's wall time starts when runner.launch.start takes the spec; that
+    time reaches the worker as an argument: in this process, and as the spawned entry's own
+    argument, which torch elastic gives a restarted worker unchanged. Runs in turn (runner
+    certify) get none: each starts its own. Nothing is left in the environment."""
+    from runner.launch import launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "prepare_environment", lambda *args, **kwargs: None)
+    monkeypatch.setattr(launcher.worker, "run", lambda spec, launched=None: seen.append(("in process", launched)))
+    monkeypatch.setattr(launcher, "elastic_launch",
+                        lambda config, entry: lambda *args: seen.append(("spawned", config.max_restarts, args)))
+    before = dict(os.environ)
+    spec, path = compose_spec("recipe=gpt2_clm_tiny"), tmp_path / "run_spec.yaml"
+    launcher.launch(spec, path, 1234.5)
+    spec.launch.max_restarts = 1  # one worker that may be restarted: spawned
+    launcher.launch(spec, path, 1234.5)
+    spec.launch.max_restarts = 0
+    launcher.launch_in_turn(spec, [path, tmp_path / "second.yaml"])
+    assert seen == [("in process", 1234.5), ("spawned", 1, (1234.5, str(path))),
+                    ("spawned", 0, (None, str(path), str(tmp_path / "second.yaml")))]
+    assert dict(os.environ) == before
 
 
 @pytest.mark.multiprocess

@@ -75,6 +75,35 @@ def test_a_restart_after_an_attempt_that_never_reached_its_loop_loses_that_attem
     assert first.parts["lost_to_restarts"] == 0
 
 
+def test_the_loops_steps_are_its_time_less_the_other_parts(tmp_path, monkeypatch):
+    """The ledger keeps the loop's clock: what the loop spent waiting for data, evaluating or
+    saving is booked to those parts, the rest of its time to steps, in a snapshot taken
+    mid-loop as at its end; what is added after the loop is not taken from its steps."""
+    clock = [50.0]
+    monkeypatch.setattr(ledger_module.time, "perf_counter", lambda: clock[0])
+    ledger = Ledger(launch=100.0)
+    ledger.begin(110.0, step=0)
+    assert ledger.start_loop() == 50.0
+    clock[0] = 60.0
+    ledger.add("data_wait", 1.5)
+    ledger.add_save(2.5)
+    write_snapshot(tmp_path, ledger, step=4)  # after the save: the steps so far recorded with it
+    carried = resumed(tmp_path, 100.0, 4)
+    assert carried.parts["steps"] == 6.0 and carried.parts["checkpoint_saves"] == 2.5 and carried.saves == 1
+    assert ledger.parts["steps"] == 0.0  # the running ledger books its steps when the loop ends
+    clock[0] = 70.0
+    ledger.add("evaluation", 4.0)
+    ledger.end_loop()
+    assert ledger.parts["steps"] == 20.0 - 1.5 - 2.5 - 4.0
+    ledger.add("checkpoint_saves", 3.0)  # model/ at the end, after the loop
+    clock[0] = 90.0
+    assert ledger.so_far().parts["steps"] == 12.0 and ledger.parts["checkpoint_saves"] == 5.5
+    monkeypatch.setattr(ledger_module.time, "time", lambda: 130.0)
+    out = ledger.results(last_step=8, save_every=4, mtbf_hours=None)  # the wall time: the launch's until now
+    assert out["wall_seconds"] == 30.0 and out["parts_sum_seconds"] == 10.0 + 12.0 + 1.5 + 4.0 + 5.5
+    assert out["goodput"] == round(12.0 / 30.0, 4)
+
+
 def test_the_report_sums_the_parts_and_suggests_young_daly():
     ledger = Ledger(launch=0.0)
     ledger.parts.update(startup=5.0, steps=80.0, data_wait=1.0, evaluation=4.0, checkpoint_saves=10.0)
