@@ -446,7 +446,7 @@ class Recorded:
 
 
 def output_folders(spec: RunSpec, run_dir: Path) -> list[Path]:
-    """What the end of a run writes beside its results (worker.save_outputs): model/, or
+    """What the end of a run writes beside its results (runner/train/finish.py, save_outputs): model/, or
     adapter/ and, with peft.save_merged, model/ too."""
     if not uses_adapters(spec.peft):
         return [run_dir / "model"]

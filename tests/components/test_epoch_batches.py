@@ -1,7 +1,7 @@
 """An epoch's last, partial global batch: every layout trains each sample of the epoch
 once, at the step one process trains it, and the ranks' fillers train nothing.
 
-The loaders are the worker's own (make_loaders), sharded per rank by Accelerate's
+The loaders are the worker's own (runner/train/loaders.py), sharded per rank by Accelerate's
 BatchSamplerShard exactly as `prepare()` shards them on several processes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROWS = 4  # tokens a row
 
 
 def worker_loader(compose_spec, n_rows: int, per_device: int, world: int):
-    from runner.train.worker import make_loaders
+    from runner.train.loaders import make_loaders
 
     rows = [{"input_ids": torch.full((ROWS,), i, dtype=torch.long)} for i in range(n_rows)]
     data = SimpleNamespace(train=rows, validation=rows[:2], pad_id=0)

@@ -1,6 +1,6 @@
 """A resume that plans the schedule over another total (train.max_steps raised) trains
 each resumed step at the new plan's rate, from the first one: through Accelerate's
-load_state and through the read-across path alike (runner/train/worker.py
+load_state and through the read-across path alike (runner/train/restore.py
 load_resume_point). The rate used is read from the optimizer's group as each step runs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.config.spec import spec_to_yaml
 from runner.distributed.accelerator import reset_accelerate_state
-from runner.train import worker
+from runner.train import restore
 from runner.train.checkpoint import save_checkpoint
 
 LR = 1e-3
@@ -71,15 +71,15 @@ def test_each_resumed_step_trains_at_the_rate_the_new_plan_declares(compose_spec
     stored = first.scheduler.get_last_lr()
     assert stored == [0.0, 0.0]  # the end of the 4-step cosine: what the checkpoint holds
     if path == "read_across":  # a ddp checkpoint read by parameter name, as another strategy's would be
-        monkeypatch.setattr(worker, "needs_reshard", lambda *args: True)
+        monkeypatch.setattr(restore, "needs_reshard", lambda *args: True)
 
     eight = compose_spec("schedule=cosine", "schedule.warmup_steps=0", f"optim.lr={LR}", "train.max_steps=8")
     resumed = built(eight, 8, tmp_path / "resumed")  # a read-across writes its scratch there
-    worker.load_resume_point(eight, resumed.accelerator, resumed, checkpoint)
+    restore.load_resume_point(eight, resumed.accelerator, resumed, checkpoint)
     assert resumed.scheduler.last_epoch == 4
     assert resumed.scheduler.get_last_lr() == [g["lr"] for g in resumed.optimizer.param_groups]
     assert train(resumed, 4) == pytest.approx([cosine(k, 8) for k in range(4, 8)], rel=1e-12, abs=0)
 
     same = built(four, 4, tmp_path / "same")  # an unchanged plan: the stored rates back, bit for bit
-    worker.load_resume_point(four, same.accelerator, same, checkpoint)
+    restore.load_resume_point(four, same.accelerator, same, checkpoint)
     assert same.scheduler.get_last_lr() == stored == [g["lr"] for g in same.optimizer.param_groups]

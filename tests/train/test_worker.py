@@ -55,20 +55,6 @@ def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_
             assert difference < 1e-5, (strategy, name, difference)
 
 
-@pytest.mark.parametrize("cuda", [True, False])
-def test_loaders_pin_host_memory_on_a_gpu(compose_spec, monkeypatch, cuda):
-    from types import SimpleNamespace
-
-    from runner.train.worker import make_loaders
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    data = SimpleNamespace(train=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 8,
-                           validation=[{"input_ids": torch.zeros(4, dtype=torch.long)}] * 4, pad_id=0)
-    loaders = make_loaders(compose_spec("recipe=gpt2_clm_tiny"), data, 1)
-    train, evaluation = loaders.train, loaders.evaluation
-    assert train.pin_memory is cuda and evaluation.pin_memory is cuda
-
-
 @pytest.mark.parametrize("machine", ["cpu", "gpu without liger", "gpu with liger"])
 def test_the_banner_names_the_loss_kernel_and_how_to_get_liger(compose_spec, monkeypatch, machine):
     from runner.components import liger_loss

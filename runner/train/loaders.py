@@ -1,0 +1,106 @@
+"""Setup step 4: the run's data and its loaders (runner/train/worker.py names the steps).
+
+The cached path tokenizes once per machine (its local rank 0 first) and leaves the sharding
+to Accelerate; a stream (`data.streaming=true`) is each rank's own share, read as it trains,
+through a stateful loader whose position a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from runner.components.data import EpochSampler, PreparedData, collate, collate_for
+from runner.components.data import prepare as prepare_data
+from runner.components.epoch_batches import EpochBatches, WithFillers, masking_fillers
+from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
+from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
+from runner.config.spec import RunSpec
+from runner.train.rng import loader_generator
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    evaluation: DataLoader
+    sampler: EpochSampler | BlockStream  # the trainer sets its epoch
+
+
+def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_size: int) -> PreparedData | StreamedData:
+    if spec.data.streaming:  # this rank's share, read as it trains
+        try:
+            streamed = open_stream(spec.data, tokenizer, block_size, spec.train.seed,
+                                   accelerator.process_index, accelerator.num_processes)
+        except BadRecord as err:  # the launcher read these blocks too; a file changed since
+            log.error(f"runner: error: {err.line}")
+            raise TrainingStopped(USAGE_EXIT_CODE, err.line) from None
+        if accelerator.is_main_process:
+            log.info(f"data: {streamed.source}; {len(streamed.validation)} eval blocks read in {streamed.seconds:.1f}s")
+        return streamed
+    # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
+    with accelerator.local_main_process_first():
+        data = prepare_data(spec.data, tokenizer, block_size)
+    if accelerator.is_main_process:
+        log.info(f"data: {'reused' if data.cache_hit else 'built'} {data.cache_path} in {data.seconds:.1f}s")
+        for split, c in (data.counts or {}).items():
+            rows = f"packed into {c['rows']:,} rows of {block_size} (packing efficiency {c['packing_efficiency']:.1%})" \
+                if spec.data.packing else f"one a row ({c['rows']:,} rows, padded per batch)"
+            log.info(f"data: {split}: {c['examples']:,} examples ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
+                     f"as longer than {block_size} tokens), {rows}; {c['trained_tokens']:,} of {c['tokens']:,} tokens "
+                     f"trained ({c['trained_share']:.1%})")
+            if c.get("no_answer") or c.get("turns_cut"):  # chats: nothing trains after the last answer
+                log.info(f"data: {split}: {c['no_answer']:,} chats with no assistant turn left out; "
+                         f"{c['turns_cut']:,} cut after their last assistant turn")
+    return data
+
+
+def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: int) -> Loaders:
+    t = spec.train
+    pin = torch.cuda.is_available()  # page-locked batches: the non_blocking copy (accelerator.dataloader_config) can overlap
+    sampler: EpochSampler | BlockStream
+    train_loader: DataLoader
+    batches = collate if isinstance(data, StreamedData) else collate_for(spec.data, data.pad_id)
+    if isinstance(data, StreamedData):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: a warning per loader, nothing to act on
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+        # This rank's own share, not Accelerate's to shard; stateful, so a checkpoint holds
+        # its exact position, in its loader workers too.
+        sampler = data.train
+        train_loader = StatefulDataLoader(
+            data.train, batch_size=t.per_device_batch_size, collate_fn=batches, num_workers=t.dataloader_num_workers,
+            drop_last=True, generator=loader_generator(t.seed), pin_memory=pin,
+        )
+    else:
+        sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
+        # The epoch's last round completed by fillers, never by duplicates (runner/components/epoch_batches.py).
+        train_loader = DataLoader(
+            WithFillers(data.train), batch_sampler=EpochBatches(sampler, t.per_device_batch_size, world_size),
+            collate_fn=masking_fillers(batches), num_workers=t.dataloader_num_workers,
+            generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
+            pin_memory=pin,
+        )
+    evaluation = DataLoader(
+        data.validation, batch_size=t.per_device_eval_batch_size or t.per_device_batch_size, shuffle=False,
+        collate_fn=batches, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
+    )
+    return Loaders(train_loader, evaluation, sampler)
+
+
+def data_record(spec: RunSpec, data: PreparedData | StreamedData) -> dict[str, Any]:
+    """What a checkpoint's data position indexes, for a resume to check (runner/train/resume.py):
+    a stream's files in their order, or the cached blocks' key (tokenizer, block size, the
+    files' sha256)."""
+    if isinstance(data, StreamedData):
+        return {"data_files": training_files(spec.data)}
+    return {"data_key": data.cache_path.name}
