@@ -54,12 +54,12 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
     _state: dict = {}
     _plain_train, _plain_step = _worker.train, _trainer.Trainer.train_step
 
-    def _train(spec):  # type: ignore[no-untyped-def]
+    def _train(spec, *args, **kwargs):  # type: ignore[no-untyped-def]
         from torch.profiler import ProfilerActivity, profile
 
         _state["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         _state["prof"].__enter__()
-        return _plain_train(spec)
+        return _plain_train(spec, *args, **kwargs)  # the launch's start too (worker.run)
 
     def _step(self, batch):  # type: ignore[no-untyped-def]
         import torch
