@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Optional
 
@@ -243,9 +244,7 @@ class Strategy:
                 params[name].copy_(state.weights[name].view_as(params[name]))
         by_param = {id(params[n]): n for n in names}
         order = [by_param[id(p)] for group in inner.param_groups for p in group["params"]]
-        starts = [0]
-        for group in inner.param_groups[:-1]:
-            starts.append(starts[-1] + len(group["params"]))
+        starts = [0, *accumulate(len(group["params"]) for group in inner.param_groups)]  # each group's first index
         inner.load_state_dict({
             "state": {i: adam_state(state, n, params[n]) for i, n in enumerate(order)},
             "param_groups": [{**g, "params": list(range(start, start + len(group["params"])))}
