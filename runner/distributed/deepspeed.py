@@ -1,12 +1,14 @@
 """strategy=zero2 / zero3: DeepSpeed ZeRO through Accelerate's DeepSpeed plugin. Everything
-runner knows of DeepSpeed is in this module.
+runner knows of DeepSpeed is in this module and runner/distributed/zero_checkpoint.py.
 
 The config is complete (nothing left "auto" for Accelerate to fill), the engine steps
 only after the non-finite check (`backward` runs the engine's backward alone), the
 norm is ZeRO's own over its partitions, and model/ is written from ZeRO's fp32 master
 weights. Three changes to DeepSpeed's private state save memory or let a sweep run
 several ZeRO jobs in one process; each is fenced by the versions it was verified on
-(runner/distributed/patches.py) and otherwise left out.
+(runner/distributed/patches.py) and otherwise left out. ZeRO's state by parameter (the
+exact initial weights, each rank's pieces, model/, a checkpoint read across) is
+zero_checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -27,7 +30,18 @@ from runner.distributed.patches import (
     ZERO3_SHARE_FP32_MASTER,
     engaged,
 )
+from runner.distributed.portable import PortableState
 from runner.distributed.strategy import Strategy
+from runner.distributed.zero_checkpoint import (
+    convert_zero,
+    fp32_copy,
+    read_across_refusal,
+    read_universal,
+    set_zero,
+    set_zero_master_weights,
+    zero3_parameter_pieces,
+    zero_fp32_state_dict,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -244,25 +258,6 @@ def restore_gradient_partition(engine: Any) -> None:
     staged.clear()
 
 
-def fp32_copy(model: Any) -> dict[str, Any]:
-    """The model's parameters, copied, before a ZeRO engine casts them to bf16/fp16 in
-    place (host memory: one fp32 copy of the model, freed once the engine holds them)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def set_zero_master_weights(engine: Any, weights: dict[str, Any]) -> None:
-    """Give ZeRO's fp32 master weights the exact initial values.
-
-    DeepSpeed casts the module to bf16/fp16 first and builds its fp32 master copy from
-    that, so every initial weight is rounded to 16 bits, where ddp starts from the fp32
-    values. Each rank sets its own partition from the full tensor; under ZeRO-3 that is
-    local, under ZeRO-2 too (no collective)."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
-    for name, p in engine.module.named_parameters():
-        safe_set_full_fp32_param(p, weights[name].to(p.device))
-
-
 def share_zero3_fp32_master(engine: Any) -> int:
     """Under ZeRO-3 in fp32, make the optimizer's fp32 partition the working partition
     itself instead of a second copy of it; returns the bytes freed (0: nothing to share).
@@ -290,57 +285,6 @@ def share_zero3_fp32_master(engine: Any) -> int:
         freed += high.numel() * high.element_size()
         high.data = low.data
     return freed
-
-
-def zero_fp32_state_dict(engine: Any, keep: bool) -> dict[str, Any]:
-    """The full model in fp32 from ZeRO's master weights (not the 16-bit working copy a
-    bf16/fp16 engine holds), so model/ matches what ddp saves. A collective: every rank
-    calls it, parameters in the same order; only a rank with `keep` (the one that writes)
-    holds the host copy, so the others never carry a second full model. One parameter is
-    gathered at a time (safe_get_full_fp32_param all-gathers its fp32 partitions) and
-    copied to the host before the next: never the whole model on the device."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    module = engine.module
-    full: dict[int, Any] = {}
-    state: dict[str, Any] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) not in full:  # tied weights (GPT-2's lm_head and wte) gathered once
-            full[id(p)] = _host_copy(safe_get_full_fp32_param(p), p, keep)
-        state[name] = full[id(p)]
-    if not keep:
-        return {}
-    persistent = set(module.state_dict().keys())  # buffers as state_dict() has them
-    for name, buffer in module.named_buffers():
-        if name in persistent:
-            state[name] = buffer.detach().float().cpu() if buffer.is_floating_point() else buffer.detach().cpu()
-    return state
-
-
-def _host_copy(gathered: Any, param: Any, keep: bool) -> Any:
-    """The host copy of one gathered fp32 parameter (None unless `keep`). A function of
-    its own so that the gathered tensor is freed on return, before the next parameter
-    is gathered: held in the caller's loop variable, each one stayed alive through the
-    next one's gather, two parameters on the device at once (tests/train/test_finish.py)."""
-    if not keep:
-        return None
-    return (param.detach() if gathered is None else gathered).float().cpu().clone()
-
-
-def zero3_parameter_pieces(model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Each ZeRO-3 parameter's pieces on this rank, gathering nothing: its partition
-    (`ds_tensor`, DeepSpeed's padding at the end of the last rank's cut off) and, when
-    the rank holds it whole (a persistent parameter, or one still gathered), the whole
-    parameter (see rank_fingerprints)."""
-    import torch.distributed as dist
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    for p in model.parameters():
-        partition = p.ds_tensor.reshape(-1)
-        start = dist.get_rank(group=p.ds_process_group) * partition.numel()
-        valid = max(0, min(partition.numel(), p.ds_numel - start))
-        whole = p.data if p.ds_status == ZeroParamStatus.AVAILABLE else None
-        yield partition.narrow(0, 0, valid), whole
 
 
 def forget_world_group() -> None:
@@ -497,6 +441,23 @@ class ZeroStrategy(Strategy):
 
     def alone(self, accelerator: "Accelerator") -> AbstractContextManager[None]:
         return hf_zero3_hidden(accelerator)
+
+    # A checkpoint read across: runner/distributed/zero_checkpoint.py
+    def loads_at_any_world_size(self) -> bool:
+        return False  # each rank's partitions of flat groups: Accelerate reads them back at their own world size only
+
+    def read_across_refusal(self) -> Optional[str]:
+        return read_across_refusal(self.stage)
+
+    def prepare_portable(self, checkpoint: Path, scratch: Path) -> None:
+        convert_zero(checkpoint, scratch)
+
+    def read_portable(self, checkpoint: Path, names: list[str], scratch: Path) -> PortableState:
+        return read_universal(scratch, names)
+
+    def set_portable(self, state: PortableState, model: torch.nn.Module, optimizer: Any, names: list[str],
+                     groups: list[dict[str, Any]]) -> None:
+        set_zero(state, model, optimizer, names, groups, stage3=self.stage == 3)
 
 
 @contextmanager

@@ -1,13 +1,18 @@
 """strategy=fsdp: PyTorch FSDP2 (`fully_shard`) through Accelerate's FSDP plugin.
 
-Three jobs, all about what Accelerate builds for FSDP2: the plugin from the spec, the
+Four jobs, three about what Accelerate builds for FSDP2: the plugin from the spec, the
 one step Accelerate does not take on a CPU (`engage_on_cpu`), and the check after
-`prepare()` that FSDP2 really wraps the model as asked (`engagement_problems`).
+`prepare()` that FSDP2 really wraps the model as asked (`engagement_problems`). The
+fourth is its checkpoint format read across (`FSDPStrategy.read_portable`,
+`set_portable`): each rank's shards as a DCP checkpoint (`pytorch_model_fsdp_0/`,
+`optimizer_0/`, keyed by parameter name), read whole with torch's `dcp_to_torch_save`
+and set through torch's state-dict API for FSDP2, each rank keeping its own shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -19,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from runner.config.spec import OffloadDevice, PrecisionKind, PrecisionSpec, StrategySpec
 from runner.distributed.patches import FSDP2_ON_CPU, engaged
-from runner.distributed.strategy import Strategy
+from runner.distributed.portable import PortableState, adam_state, one_step, only
+from runner.distributed.strategy import Strategy, innermost_optimizer
 
 # Each FSDP unit wraps one of the model's own transformer layers (Accelerate's
 # transformer_based_wrap over the classes transformers names in the model's
@@ -176,6 +182,44 @@ class FSDPStrategy(Strategy):
             if owner != name and owner in state and name in state:
                 state[name] = state[owner]
         return state
+
+    # A DCP checkpoint is resharded by torch.distributed.checkpoint.load itself (Accelerate's
+    # load_state), each rank reading only the pieces of its new shards: no gather.
+    def prepare_portable(self, checkpoint: Path, scratch: Path) -> None:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        # every rank's shards reassembled into whole tensors, once (the main process)
+        dcp_to_torch_save(str(checkpoint / "pytorch_model_fsdp_0"), str(scratch / "model.pt"))
+        dcp_to_torch_save(str(checkpoint / "optimizer_0"), str(scratch / "optimizer.pt"))
+
+    def read_portable(self, checkpoint: Path, names: list[str], scratch: Path) -> PortableState:
+        model = torch.load(scratch / "model.pt", map_location="cpu", weights_only=False)["model"]
+        optim = torch.load(scratch / "optimizer.pt", map_location="cpu", weights_only=False)["optimizer"]["state"]
+        state = {n: optim[n] for n in names if n in optim}
+        return PortableState(only(names, model, "model", checkpoint),
+                             only(names, {n: s["exp_avg"] for n, s in state.items()}, "optimizer", checkpoint),
+                             only(names, {n: s["exp_avg_sq"] for n, s in state.items()}, "optimizer", checkpoint),
+                             one_step(state.values(), checkpoint))
+
+    def set_portable(self, state: PortableState, model: torch.nn.Module, optimizer: Any, names: list[str],
+                     groups: list[dict[str, Any]]) -> None:
+        """Full tensors in, each rank keeping its own shard (torch's state-dict API for FSDP2)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        inner = innermost_optimizer(optimizer)
+        params = dict(model.named_parameters())
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, {n: state.weights[n].view(params[n].shape) for n in names}, options=options)
+        by_param = {id(params[n]): n for n in names}
+        fqn_groups = [[by_param[id(p)] for p in group["params"]] for group in inner.param_groups]
+        set_optimizer_state_dict(model, inner, {
+            "state": {n: adam_state(state, n, params[n]) for n in names},
+            "param_groups": [{**g, "params": fqns} for g, fqns in zip(groups, fqn_groups)],
+        }, options=options)
 
 
 def reshard(model: Any) -> None:

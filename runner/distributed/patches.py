@@ -56,7 +56,8 @@ SKIP_OUTPUT_UPCAST = Patch(
 ZERO2_LINK_READ_ACROSS_STATE = Patch(
     "zero2_link_read_across_state", "deepspeed", ("0.19.8",),
     "a checkpoint read across into zero2 links each parameter's fragment to the AdamW state made for it before "
-    "the first step (calls DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state, runner/train/reshard.py)",
+    "the first step (calls DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state, "
+    "runner/distributed/zero_checkpoint.py)",
     "resuming under zero2 from another layout or strategy is refused",
 )
 

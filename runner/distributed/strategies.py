@@ -21,3 +21,10 @@ def build_strategy(spec: StrategySpec, precision: PrecisionSpec) -> Strategy:
     if spec.kind not in STRATEGIES:
         raise ValueError(f"strategy={spec.kind.value} has no strategy object; the launcher resolves it first")
     return STRATEGIES[spec.kind](spec, precision)
+
+
+def strategy_of_kind(kind: str) -> Strategy:
+    """The strategy object for a kind alone, as a checkpoint's run_spec.yaml records the
+    strategy that wrote it: the format it reads, and how a state is set into it, depend on
+    the kind alone. ValueError for a kind with no object."""
+    return build_strategy(StrategySpec(kind=StrategyKind(kind)), PrecisionSpec())

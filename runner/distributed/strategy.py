@@ -12,21 +12,28 @@ Order of use (runner/train/worker.py, runner/train/trainer.py):
   -> engagement_problems -> per micro-batch: backward; per window: grad_norm,
   found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> parameter_pieces
   (fingerprints) -> full_state_dict (model/) -> alone (peft.save_merged, rank 0).
+A resume in another layout or strategy (runner/train/resume.py, runner/train/reshard.py):
+  loads_at_any_world_size, read_across_refusal -> the writer's prepare_portable (main
+  process) and read_portable -> this run's set_portable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from itertools import accumulate
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
+from runner.config.errors import UserError
 from runner.config.spec import PrecisionKind, PrecisionSpec, StrategyKind, StrategySpec
 from runner.distributed.grad_norm import clip_and_norm
 from runner.distributed.patches import fence_notes
+from runner.distributed.portable import PortableState, adam_state, one_step, only
 
 # Accelerate's name for each precision.
 MIXED_PRECISION = {PrecisionKind.fp32: "no", PrecisionKind.bf16: "bf16", PrecisionKind.fp16: "fp16"}
@@ -186,6 +193,63 @@ class Strategy:
         one (the merged export: a base read again and merged with peft): nothing in it may
         start a collective, which the other ranks would never join."""
         return nullcontext()
+
+    # ------------------------------------------------------------ a checkpoint read across
+    # The strategy that wrote a checkpoint reads it; the strategy that runs sets it
+    # (runner/train/reshard.py pairs them). The defaults are ddp's format: the whole model
+    # and torch AdamW's state on every rank (`model.safetensors`, `optimizer.bin`).
+    def loads_at_any_world_size(self) -> bool:
+        """Whether Accelerate's own load_state reads this strategy's checkpoint at another
+        number of processes (else it is read across as a portable state): every rank holds
+        everything here."""
+        return True
+
+    def read_across_refusal(self) -> Optional[str]:
+        """Why a portable state cannot be set into this strategy on this machine, naming
+        the strategies that can (None: it can)."""
+        return None
+
+    def prepare_portable(self, checkpoint: Path, scratch: Path) -> None:
+        """What the main process does once, into `scratch`, before every rank reads this
+        strategy's checkpoint: nothing for one written whole."""
+
+    def read_portable(self, checkpoint: Path, names: list[str], scratch: Path) -> PortableState:
+        """The portable state of a checkpoint this strategy wrote (after prepare_portable).
+        `names` are this run's trainable parameters in its optimizer's order, which keys
+        torch's optimizer.bin (the run rebuilds it from the same spec)."""
+        from safetensors.torch import load_file
+
+        file = checkpoint / "model.safetensors"
+        weights = (load_file(str(file)) if file.exists()
+                   else torch.load(checkpoint / "pytorch_model.bin", map_location="cpu"))
+        optim = torch.load(checkpoint / "optimizer.bin", map_location="cpu", weights_only=False)
+        ids = [i for group in optim["param_groups"] for i in group["params"]]
+        if len(ids) != len(names):
+            raise UserError(f"checkpoint {checkpoint}: its optimizer holds {len(ids)} parameters, this run trains "
+                            f"{len(names)}. Resume it with its own spec, or start a new run.")
+        state = {names[position]: optim["state"][i] for position, i in enumerate(ids)}
+        return PortableState(only(names, weights, "model", checkpoint), {n: s["exp_avg"] for n, s in state.items()},
+                             {n: s["exp_avg_sq"] for n, s in state.items()}, one_step(state.values(), checkpoint))
+
+    def set_portable(self, state: PortableState, model: torch.nn.Module, optimizer: Any, names: list[str],
+                     groups: list[dict[str, Any]]) -> None:
+        """The portable state into this run's prepared (unwrapped) `model` and `optimizer`
+        (Accelerate's wrapper); `groups` are the optimizer's group settings, with the
+        restored schedule's learning rates. Here: into the parameters and torch's
+        load_state_dict, keyed by the optimizer's order."""
+        inner = innermost_optimizer(optimizer)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(state.weights[name].view_as(params[name]))
+        by_param = {id(params[n]): n for n in names}
+        order = [by_param[id(p)] for group in inner.param_groups for p in group["params"]]
+        starts = [0, *accumulate(len(group["params"]) for group in inner.param_groups)]  # each group's first index
+        inner.load_state_dict({
+            "state": {i: adam_state(state, n, params[n]) for i, n in enumerate(order)},
+            "param_groups": [{**g, "params": list(range(start, start + len(group["params"])))}
+                             for g, group, start in zip(groups, inner.param_groups, starts)],
+        })
 
 
 class DDPStrategy(Strategy):

@@ -1,8 +1,12 @@
 """The portable state (runner/train/reshard.py) on one process: a ddp checkpoint read by
 parameter name and set into a fresh model and optimizer gives back the very tensors,
-AdamW moments, step and learning rates that Accelerate's own load_state gives."""
+AdamW moments, step and learning rates that Accelerate's own load_state gives; and
+reshard.py names no strategy (each strategy in runner/distributed/ owns its format)."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +154,31 @@ def test_a_schedule_saved_by_zero_for_adapters_alone_sets_every_group_of_this_ru
     zero_schedule.step()
     fresh_scheduler.step()
     assert fresh_scheduler.get_last_lr() == zero_schedule.get_last_lr() * 2
+
+
+def test_reshard_names_no_strategy_and_imports_none():
+    """The strategy that wrote a checkpoint reads it and the strategy that runs sets it
+    (runner/distributed/: strategy.py, fsdp.py, zero_checkpoint.py); reshard.py only pairs
+    them, through runner/distributed/strategies.py. A strategy's name, its library or a
+    concrete strategy module in it is a format written back into the orchestration."""
+    import runner.train.reshard as reshard
+    from runner.distributed.strategies import STRATEGIES
+
+    source = Path(reshard.__file__).read_text()
+    names = sorted({kind.value for kind in STRATEGIES} | {"zero", "deepspeed", "dcp"})
+    named = [f"line {number}: {name!r} in {line.strip()!r}" for number, line in enumerate(source.splitlines(), 1)
+             for name in names if name in line.lower()]
+    concrete = ("runner.distributed.deepspeed", "runner.distributed.fsdp", "runner.distributed.zero_checkpoint",
+                "deepspeed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "safetensors")
+    classes = {strategy.__name__ for strategy in STRATEGIES.values()}
+    imported = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported += [(node.module or "", alias.name) for alias in node.names]
+    forbidden = [(module, name) for module, name in imported
+                 if f"{module}.{name}".startswith(concrete) or name in classes]
+    assert forbidden == []
+    assert not named, "\n".join(named)
+    assert ("runner.distributed.strategies", "strategy_of_kind") in imported  # the writer's object, from its kind

@@ -33,9 +33,9 @@ def test_zero_onto_another_world_size_is_read_across_but_an_old_position_is_refu
 
 def test_zero2_on_an_unverified_deepspeed_is_refused_and_names_the_way(compose_spec, monkeypatch):
     """Setting a read-across state into zero2 calls a private DeepSpeed method, fenced by version."""
-    import runner.train.reshard as reshard
+    import runner.distributed.zero_checkpoint as zero_checkpoint
 
-    monkeypatch.setattr(reshard, "engaged", lambda patch: False)
+    monkeypatch.setattr(zero_checkpoint, "engaged", lambda patch: False)
     old = compose_spec("strategy=fsdp", "train.per_device_batch_size=4")
     [problem] = compare(old, compose_spec("strategy=zero2", "train.per_device_batch_size=4"), 2, 2, MARKER)[0]
     assert "needs DeepSpeed 0.19.8" in problem and "strategy=zero3, ddp or fsdp" in problem
