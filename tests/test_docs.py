@@ -78,3 +78,37 @@ def test_readme_stays_a_doorway():
     """The README says what runner is and where to read on; the manual lives in docs/ (issue 47)."""
     lines = len(README.read_text().splitlines())
     assert lines <= 250, f"README.md has {lines} lines (at most 250): move the detail into its docs/ page"
+
+
+def _layer_rows(page: str) -> list[tuple[list[str], str]]:
+    """docs/architecture.md's layer table: each row's package groups (its first cell's
+    `group/` names, or runner/ itself for `cli.py`) and the rest of the row."""
+    section = page.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = line.split("|")
+        if len(cells) < 4 or not cells[1].strip().startswith("`"):
+            continue
+        groups = re.findall(r"`([a-z_]+)/`", cells[1]) or [""]
+        rows.append((groups, "|".join(cells[2:])))
+    return rows
+
+
+def test_every_module_the_architecture_page_names_exists():
+    """docs/architecture.md draws the package as it is: each module its flow names
+    (`group/module.py`) exists at that path, and each one a layer row names exists in
+    one of that row's groups (a module moved or renamed without the page fails here)."""
+    package = ROOT / "runner"
+    page = (DOCS / "architecture.md").read_text()
+    flow = page.split("## The flow", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\b([a-z_]+(?:/[a-z_]+)*\.py)\b", flow)
+    assert len(named) >= 6, "the flow names the modules a run passes through"
+    missing = [name for name in named if not (package / name).is_file()]
+    rows = _layer_rows(page)
+    assert len(rows) >= 6, "the layer table has a row per group"
+    for groups, rest in rows:
+        for name in re.findall(r"`([a-z_]+(?:/[a-z_]+)*\.py)`", rest):
+            places = [package / group / name for group in groups] + ([package / name] if "/" in name else [])
+            if not any(place.is_file() for place in places):
+                missing.append(f"{'|'.join(groups) or 'runner'}: {name}")
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
