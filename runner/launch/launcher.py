@@ -1,7 +1,8 @@
 """Run the workers: in this process at world size 1, else spawn them (torch elastic).
 
-`accelerate launch --cpu --num_processes 2` silently starts one process, so we spawn
-with torch's elastic launcher ourselves: c10d rendezvous, spawn start method, and
+`accelerate launch --cpu --num_processes 2` silently starts one process, so we start
+the workers with torch's elastic launcher ourselves: c10d rendezvous, workers forked
+from a forkserver on a CPU machine or spawned with CUDA (launch.start_method), and
 `@record` on the entry so a worker's traceback reaches the user. Under torchrun,
 `accelerate launch` or srun the processes already exist: we join (runner/distributed/process_group.py).
 """
@@ -31,6 +32,7 @@ from runner.distributed.strategies import build_strategy
 from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, world_size
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
+from runner.launch.start_method import Environment, adopt, environment_for, resolve
 from runner.train import worker
 
 
@@ -78,10 +80,12 @@ def _run_in_process(spec: RunSpec, launched: Optional[float]) -> None:
 
 
 @record
-def _worker_entry(launched: Optional[float], *spec_paths: str) -> None:
-    """A spawned worker: each run of `spec_paths` in turn. `launched`: the launch's start for
-    the goodput ledger (runner/train/ledger.py), handed to a restarted worker unchanged (torch
-    elastic keeps the entry's arguments); None: each run starts its own."""
+def _worker_entry(environment: Optional[Environment], launched: Optional[float], *spec_paths: str) -> None:
+    """A started worker: each run of `spec_paths` in turn. `environment`: the launch's, for a
+    worker forked from the forkserver (runner/launch/start_method.py). `launched`: the
+    launch's start for the goodput ledger (runner/train/ledger.py), handed to a restarted
+    worker unchanged (torch elastic keeps the entry's arguments); None: each run starts its own."""
+    adopt(environment)
     try:
         for spec_path in spec_paths:
             worker.main(spec_path, launched)
@@ -159,7 +163,7 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
         rdzv_endpoint=endpoint,
         rdzv_configs=rendezvous_configs(spec.launch) if multi_node else {},
         max_restarts=spec.launch.max_restarts,
-        start_method="spawn",
+        start_method=(method := resolve(spec.launch)),
         monitor_interval=0.5,
     )
     # The launcher's own log of a worker's exit is a traceback of torch's process
@@ -169,6 +173,6 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
     if multi_node:
         check_endpoint(spec.launch, endpoint)
     try:
-        elastic_launch(config, _worker_entry)(launched, *spec_paths)
+        elastic_launch(config, _worker_entry)(environment_for(method), launched, *spec_paths)
     except RendezvousError as err:
         raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None
