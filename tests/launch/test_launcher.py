@@ -45,6 +45,8 @@ def test_the_launch_start_is_handed_to_the_workers_as_a_value(compose_spec, monk
     monkeypatch.setattr(launcher.worker, "run", lambda spec, launched=None: seen.append(("in process", launched)))
     monkeypatch.setattr(launcher, "elastic_launch",
                         lambda config, entry: lambda *args: seen.append(("spawned", config.max_restarts, args)))
+    # What a forked worker is handed to take the launch's environment (start_method.py), first.
+    monkeypatch.setattr(launcher, "environment_for", lambda method: "environment")
     before = dict(os.environ)
     spec, path = compose_spec("recipe=gpt2_clm_tiny"), tmp_path / "run_spec.yaml"
     launcher.launch(spec, path, 1234.5)
@@ -52,8 +54,8 @@ def test_the_launch_start_is_handed_to_the_workers_as_a_value(compose_spec, monk
     launcher.launch(spec, path, 1234.5)
     spec.launch.max_restarts = 0
     launcher.launch_in_turn(spec, [path, tmp_path / "second.yaml"])
-    assert seen == [("in process", 1234.5), ("spawned", 1, (1234.5, str(path))),
-                    ("spawned", 0, (None, str(path), str(tmp_path / "second.yaml")))]
+    assert seen == [("in process", 1234.5), ("spawned", 1, ("environment", 1234.5, str(path))),
+                    ("spawned", 0, ("environment", None, str(path), str(tmp_path / "second.yaml")))]
     assert dict(os.environ) == before
 
 
