@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +59,36 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
     # DeepSpeed JIT-compiles its CPU ops once (~20 s); keep them in our cache.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+# Longer than any build of a JIT op takes (DeepSpeed's CPU Adam: ~20 s alone, 2 min on a
+# loaded 2-core machine), so a lock this old belongs to no build still running.
+STALE_LOCK_SECONDS = 600.0
+
+
+def clear_stale_build_locks(root: Path, older_than: float = STALE_LOCK_SECONDS) -> list[Path]:
+    """Remove the build locks a killed build left under `root`; returns them.
+
+    torch builds a JIT extension (DeepSpeed's CPU Adam for strategy.offload_optimizer=cpu)
+    holding `<root>/<op>/lock`, and a later build waits while the file exists
+    (torch.utils.file_baton: no owner, no timeout). A build killed mid-way (Ctrl-C, a
+    timeout) leaves it, and every later run then hangs in the optimizer's constructor
+    without a word (seen: a CI run waited out a test's 15 minutes on one from hours before)."""
+    now, removed = time.time(), []
+    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
+        try:
+            age = now - lock.stat().st_mtime
+            if age > older_than:
+                lock.unlink()
+        except FileNotFoundError:  # its build just finished
+            continue
+        if age > older_than:
+            removed.append(lock)
+            logging.getLogger("runner").warning(
+                "runner: removed %s, left %.0f minutes ago by a JIT build that was killed (a later build would "
+                "wait on it forever)", lock, age / 60)
+    return removed
 
 
 def _run_in_process(spec: RunSpec, launched: Optional[float]) -> None:

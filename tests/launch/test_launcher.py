@@ -119,3 +119,26 @@ def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     assert parts["lost_to_restarts"] > 2 * parts["steps"] / 6 and parts["startup"] > 0, ledger
     assert ledger["restarts"] == 1
     assert abs(ledger["parts_sum_seconds"] - ledger["wall_seconds"]) <= 0.02 * ledger["wall_seconds"], ledger
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    """torch waits on `<op>/lock` while it exists: one a killed build left hours ago made a
+    run hang in DeepSpeedCPUAdam's constructor. A stale lock goes (said so); a build's own
+    (younger than any build takes) and its other files stay."""
+    import time
+
+    from runner.launch.launcher import STALE_LOCK_SECONDS, clear_stale_build_locks
+
+    stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "fused_adam" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir()
+        lock.touch()
+        (lock.parent / "build.ninja").write_text("rule")
+    hours_ago = time.time() - 3 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    assert STALE_LOCK_SECONDS < 3 * 3600
+    with caplog.at_level("WARNING", logger="runner"):
+        assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and (stale.parent / "build.ninja").exists()
+    assert "left 180 minutes ago by a JIT build that was killed" in caplog.text
+    assert clear_stale_build_locks(tmp_path / "absent") == []
