@@ -142,3 +142,30 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_
     assert not stale.exists() and live.exists() and (stale.parent / "build.ninja").exists()
     assert "left 180 minutes ago by a JIT build that was killed" in caplog.text
     assert clear_stale_build_locks(tmp_path / "absent") == []
+
+
+def test_the_rank_that_stopped_on_a_user_error_is_reported_not_the_peer_it_left_waiting(compose_spec, tmp_path):
+    """Rank 1 exits on a UserError (code 2); rank 0's collective then breaks, and under load
+    its error can be stamped first: the run still names rank 1 (seen once in
+    test_a_user_error_on_rank_1_is_one_line_without_traceback on a loaded machine)."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from runner.config.errors import RunFailed
+    from runner.launch.start import launch_failures, root_failure
+
+    def failure(rank: int, code: int, stamp: int) -> ProcessFailure:
+        error_file = tmp_path / f"error_{rank}.json"
+        error_file.write_text(json.dumps({"message": {"message": "RuntimeError: gloo", "extraInfo": {
+            "py_callstack": "", "timestamp": str(stamp)}}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(error_file))
+
+    peer_first = ChildFailedError("worker", {0: failure(0, 1, 1000), 1: failure(1, 2, 2000)})
+    assert peer_first.get_first_failure()[0] == 0  # what torch elastic would report
+    assert root_failure(peer_first)[0] == 1
+    with pytest.raises(RunFailed, match="worker rank 1 failed: exit code 2"):
+        with launch_failures(compose_spec("recipe=gpt2_clm_tiny"), tmp_path):
+            raise peer_first
+    no_user_error = ChildFailedError("worker", {0: failure(0, 1, 1000), 1: failure(1, 1, 2000)})
+    assert root_failure(no_user_error)[0] == 0
