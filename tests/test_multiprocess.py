@@ -35,7 +35,9 @@ BASE = [o for o in MICRO if not o.startswith(("train.per_device_batch_size", "tr
 LAYOUTS = {
     "single_8": ["train.per_device_batch_size=8"],
     "single_4x2": ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
-    "ddp_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
+    # Spawned, as on a GPU machine (launch.start_method=auto spawns with CUDA); the other
+    # layouts fork from the forkserver, as auto does on a CPU (runner/launch/start_method.py).
+    "ddp_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "launch.start_method=spawn"],
     "zero2_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero2"],
     "zero3_2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4", "strategy=zero3"],
     "zero2_2x2x2": ["launch.nproc_per_node=2", "train.per_device_batch_size=2", "train.grad_accum_steps=2", "strategy=zero2"],

@@ -39,6 +39,12 @@ class OffloadDevice(str, enum.Enum):
     cpu = "cpu"
 
 
+class StartMethod(str, enum.Enum):
+    auto = "auto"  # forkserver on a machine without CUDA, spawn with it
+    spawn = "spawn"
+    forkserver = "forkserver"
+
+
 class TrackingKind(str, enum.Enum):
     tensorboard = "tensorboard"
     wandb = "wandb"
@@ -309,6 +315,13 @@ class LaunchSpec:
     """How long a collective may wait for the other ranks before the run fails (process-group timeout)."""
     debug: bool = False
     """Distributed debug logs on every rank: TORCH_DISTRIBUTED_DEBUG=DETAIL, and NCCL_DEBUG=INFO on GPUs."""
+    start_method: StartMethod = StartMethod.auto
+    """How this node's workers start: auto | spawn | forkserver. spawn: each worker a fresh
+    interpreter that imports torch and transformers again (seconds of CPU a worker).
+    forkserver: forked from a clean server process that imported them once for all of this
+    process's launches. auto: forkserver on a machine without CUDA, spawn with CUDA (a
+    library that touches CUDA while imported would leave the server's forks without it).
+    See runner/launch/start_method.py."""
     retain_freed_memory: bool = True
     """Keep freed host (CPU) memory in each worker for reuse instead of returning it to the
     OS every step (glibc mallopt; see runner/train/host_memory.py): much faster CPU steps, but a

@@ -1,7 +1,8 @@
 """Run the workers: in this process at world size 1, else spawn them (torch elastic).
 
-`accelerate launch --cpu --num_processes 2` silently starts one process, so we spawn
-with torch's elastic launcher ourselves: c10d rendezvous, spawn start method, and
+`accelerate launch --cpu --num_processes 2` silently starts one process, so we start
+the workers with torch's elastic launcher ourselves: c10d rendezvous, workers forked
+from a forkserver on a CPU machine or spawned with CUDA (launch.start_method), and
 `@record` on the entry so a worker's traceback reaches the user. Under torchrun,
 `accelerate launch` or srun the processes already exist: we join (runner/distributed/process_group.py).
 """
@@ -12,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +33,7 @@ from runner.distributed.strategies import build_strategy
 from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, world_size
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
+from runner.launch.start_method import Environment, adopt, environment_for, resolve
 from runner.train import worker
 
 
@@ -56,6 +59,36 @@ def prepare_environment(local_workers: int, debug: bool = False) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no probing, no warning
     # DeepSpeed JIT-compiles its CPU ops once (~20 s); keep them in our cache.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+# Longer than any build of a JIT op takes (DeepSpeed's CPU Adam: ~20 s alone, 2 min on a
+# loaded 2-core machine), so a lock this old belongs to no build still running.
+STALE_LOCK_SECONDS = 600.0
+
+
+def clear_stale_build_locks(root: Path, older_than: float = STALE_LOCK_SECONDS) -> list[Path]:
+    """Remove the build locks a killed build left under `root`; returns them.
+
+    torch builds a JIT extension (DeepSpeed's CPU Adam for strategy.offload_optimizer=cpu)
+    holding `<root>/<op>/lock`, and a later build waits while the file exists
+    (torch.utils.file_baton: no owner, no timeout). A build killed mid-way (Ctrl-C, a
+    timeout) leaves it, and every later run then hangs in the optimizer's constructor
+    without a word (seen: a CI run waited out a test's 15 minutes on one from hours before)."""
+    now, removed = time.time(), []
+    for lock in sorted(root.glob("*/lock")) if root.is_dir() else []:
+        try:
+            age = now - lock.stat().st_mtime
+            if age > older_than:
+                lock.unlink()
+        except FileNotFoundError:  # its build just finished
+            continue
+        if age > older_than:
+            removed.append(lock)
+            logging.getLogger("runner").warning(
+                "runner: removed %s, left %.0f minutes ago by a JIT build that was killed (a later build would "
+                "wait on it forever)", lock, age / 60)
+    return removed
 
 
 def _run_in_process(spec: RunSpec, launched: Optional[float]) -> None:
@@ -78,10 +111,12 @@ def _run_in_process(spec: RunSpec, launched: Optional[float]) -> None:
 
 
 @record
-def _worker_entry(launched: Optional[float], *spec_paths: str) -> None:
-    """A spawned worker: each run of `spec_paths` in turn. `launched`: the launch's start for
-    the goodput ledger (runner/train/ledger.py), handed to a restarted worker unchanged (torch
-    elastic keeps the entry's arguments); None: each run starts its own."""
+def _worker_entry(environment: Optional[Environment], launched: Optional[float], *spec_paths: str) -> None:
+    """A started worker: each run of `spec_paths` in turn. `environment`: the launch's, for a
+    worker forked from the forkserver (runner/launch/start_method.py). `launched`: the
+    launch's start for the goodput ledger (runner/train/ledger.py), handed to a restarted
+    worker unchanged (torch elastic keeps the entry's arguments); None: each run starts its own."""
+    adopt(environment)
     try:
         for spec_path in spec_paths:
             worker.main(spec_path, launched)
@@ -159,7 +194,7 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
         rdzv_endpoint=endpoint,
         rdzv_configs=rendezvous_configs(spec.launch) if multi_node else {},
         max_restarts=spec.launch.max_restarts,
-        start_method="spawn",
+        start_method=(method := resolve(spec.launch)),
         monitor_interval=0.5,
     )
     # The launcher's own log of a worker's exit is a traceback of torch's process
@@ -169,6 +204,6 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
     if multi_node:
         check_endpoint(spec.launch, endpoint)
     try:
-        elastic_launch(config, _worker_entry)(launched, *spec_paths)
+        elastic_launch(config, _worker_entry)(environment_for(method), launched, *spec_paths)
     except RendezvousError as err:
         raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -154,13 +154,22 @@ def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
         )
         raise SystemExit(code) from None
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = root_failure(err)
         # @record hands the failing rank's traceback to this process (the spawned rank
         # does not print it): shown once, above the one-line reason.
         callstack = failure_traceback(failure)
         if callstack:
             sys.stderr.write(f"[rank {rank}] {callstack.rstrip()}\n")
         raise RunFailed(f"worker rank {rank} failed: {failure_reason(failure, spec.launch.timeout_minutes)}") from None
+
+
+def root_failure(err: ChildFailedError) -> tuple[int, Any]:
+    """The rank whose failure to report: one that stopped on a UserError (its one line is
+    the cause; the others fail when it leaves their collectives), else the first to fail.
+    torch elastic's first failure is the earliest timestamp, and a peer's broken collective
+    can be stamped before a rank that exits on a UserError is seen to exit (under load)."""
+    usage = sorted(rank for rank, failure in err.failures.items() if failure.exitcode == USAGE_EXIT_CODE)
+    return (usage[0], err.failures[usage[0]]) if usage else err.get_first_failure()
 
 
 def failure_traceback(failure: Any) -> str:

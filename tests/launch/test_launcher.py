@@ -45,6 +45,8 @@ def test_the_launch_start_is_handed_to_the_workers_as_a_value(compose_spec, monk
     monkeypatch.setattr(launcher.worker, "run", lambda spec, launched=None: seen.append(("in process", launched)))
     monkeypatch.setattr(launcher, "elastic_launch",
                         lambda config, entry: lambda *args: seen.append(("spawned", config.max_restarts, args)))
+    # What a forked worker is handed to take the launch's environment (start_method.py), first.
+    monkeypatch.setattr(launcher, "environment_for", lambda method: "environment")
     before = dict(os.environ)
     spec, path = compose_spec("recipe=gpt2_clm_tiny"), tmp_path / "run_spec.yaml"
     launcher.launch(spec, path, 1234.5)
@@ -52,8 +54,8 @@ def test_the_launch_start_is_handed_to_the_workers_as_a_value(compose_spec, monk
     launcher.launch(spec, path, 1234.5)
     spec.launch.max_restarts = 0
     launcher.launch_in_turn(spec, [path, tmp_path / "second.yaml"])
-    assert seen == [("in process", 1234.5), ("spawned", 1, (1234.5, str(path))),
-                    ("spawned", 0, (None, str(path), str(tmp_path / "second.yaml")))]
+    assert seen == [("in process", 1234.5), ("spawned", 1, ("environment", 1234.5, str(path))),
+                    ("spawned", 0, ("environment", None, str(path), str(tmp_path / "second.yaml")))]
     assert dict(os.environ) == before
 
 
@@ -117,3 +119,53 @@ def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
     assert parts["lost_to_restarts"] > 2 * parts["steps"] / 6 and parts["startup"] > 0, ledger
     assert ledger["restarts"] == 1
     assert abs(ledger["parts_sum_seconds"] - ledger["wall_seconds"]) <= 0.02 * ledger["wall_seconds"], ledger
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    """torch waits on `<op>/lock` while it exists: one a killed build left hours ago made a
+    run hang in DeepSpeedCPUAdam's constructor. A stale lock goes (said so); a build's own
+    (younger than any build takes) and its other files stay."""
+    import time
+
+    from runner.launch.launcher import STALE_LOCK_SECONDS, clear_stale_build_locks
+
+    stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "fused_adam" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir()
+        lock.touch()
+        (lock.parent / "build.ninja").write_text("rule")
+    hours_ago = time.time() - 3 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    assert STALE_LOCK_SECONDS < 3 * 3600
+    with caplog.at_level("WARNING", logger="runner"):
+        assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and (stale.parent / "build.ninja").exists()
+    assert "left 180 minutes ago by a JIT build that was killed" in caplog.text
+    assert clear_stale_build_locks(tmp_path / "absent") == []
+
+
+def test_the_rank_that_stopped_on_a_user_error_is_reported_not_the_peer_it_left_waiting(compose_spec, tmp_path):
+    """Rank 1 exits on a UserError (code 2); rank 0's collective then breaks, and under load
+    its error can be stamped first: the run still names rank 1 (seen once in
+    test_a_user_error_on_rank_1_is_one_line_without_traceback on a loaded machine)."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from runner.config.errors import RunFailed
+    from runner.launch.start import launch_failures, root_failure
+
+    def failure(rank: int, code: int, stamp: int) -> ProcessFailure:
+        error_file = tmp_path / f"error_{rank}.json"
+        error_file.write_text(json.dumps({"message": {"message": "RuntimeError: gloo", "extraInfo": {
+            "py_callstack": "", "timestamp": str(stamp)}}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(error_file))
+
+    peer_first = ChildFailedError("worker", {0: failure(0, 1, 1000), 1: failure(1, 2, 2000)})
+    assert peer_first.get_first_failure()[0] == 0  # what torch elastic would report
+    assert root_failure(peer_first)[0] == 1
+    with pytest.raises(RunFailed, match="worker rank 1 failed: exit code 2"):
+        with launch_failures(compose_spec("recipe=gpt2_clm_tiny"), tmp_path):
+            raise peer_first
+    no_user_error = ChildFailedError("worker", {0: failure(0, 1, 1000), 1: failure(1, 1, 2000)})
+    assert root_failure(no_user_error)[0] == 0

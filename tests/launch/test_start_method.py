@@ -1,0 +1,72 @@
+"""launch.start_method: how workers start (runner/launch/start_method.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import pytest
+import torch
+
+from runner.config.spec import LaunchSpec, StartMethod
+from runner.launch import start_method
+from runner.launch.start_method import adopt, environment_for, resolve
+
+
+@pytest.mark.parametrize("cuda, expected", [(False, "forkserver"), (True, "spawn")])
+def test_auto_forks_from_a_server_without_cuda_and_spawns_with_it(monkeypatch, cuda, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert resolve(LaunchSpec()) == expected
+
+
+@pytest.mark.parametrize("chosen", [StartMethod.spawn, StartMethod.forkserver])
+def test_a_chosen_method_is_kept_on_any_machine(monkeypatch, chosen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve(LaunchSpec(start_method=chosen)) == chosen.value
+
+
+def test_a_worker_takes_the_launchs_environment_under_what_elastic_set_for_its_rank(monkeypatch):
+    """What the server started with, what the launch has now (one variable changed, one
+    gone, one new), and the rank's variables torch elastic set over the server's."""
+    server = {"PATH": "/bin", "RUNNER_PLANNED": "4", "STALE": "1", "OMP_NUM_THREADS": "2"}
+    launch = {"PATH": "/bin", "RUNNER_PLANNED": "2", "NEW": "x", "OMP_NUM_THREADS": "1"}
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "environ", {**server, "RANK": "1", "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+    adopt((server, launch))
+    assert os.environ == {"PATH": "/bin", "RUNNER_PLANNED": "2", "NEW": "x", "OMP_NUM_THREADS": "1", "RANK": "1",
+                          "WORLD_SIZE": "2"}
+    assert threads == [1]
+
+
+def test_a_spawned_worker_keeps_its_inherited_environment(monkeypatch):
+    monkeypatch.setattr(os, "environ", {"A": "1", "OMP_NUM_THREADS": "3"})
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    assert environment_for("spawn") is None
+    adopt(None)
+    assert os.environ == {"A": "1", "OMP_NUM_THREADS": "3"} and threads == [3]
+
+
+def _report(environment: start_method.Environment, queue: "multiprocessing.SimpleQueue[tuple[bool, str]]") -> None:
+    imported = start_method.WORKER_MODULE in sys.modules  # before anything here imports it
+    adopt(environment)
+    queue.put((imported, os.environ.get("RUNNER_TEST_LAUNCH", "unset")))
+
+
+@pytest.mark.multiprocess
+def test_a_forked_worker_has_the_modules_imported_and_this_launchs_environment(monkeypatch):
+    """The server imports the worker's modules once; a worker forked from it runs in the
+    environment of the launch that started it, not the one the server started with
+    (a launch of a sweep after the first)."""
+    monkeypatch.setenv("RUNNER_TEST_LAUNCH", "first")
+    environment_for("forkserver")  # the server starts (or already runs: then this checks the first case's rule too)
+    monkeypatch.setenv("RUNNER_TEST_LAUNCH", "second")
+    context = multiprocessing.get_context("forkserver")
+    queue = context.SimpleQueue()
+    worker = context.Process(target=_report, args=(environment_for("forkserver"), queue))
+    worker.start()
+    worker.join(timeout=120)
+    assert worker.exitcode == 0
+    assert queue.get() == (True, "second")
