@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -128,7 +130,22 @@ def _worker_entry(environment: Optional[Environment], launched: Optional[float],
         # exit 2, as in the launcher, instead of @record's traceback.
         sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
         sys.stderr.flush()
+        _note_user_error()
         raise SystemExit(USAGE_EXIT_CODE) from None
+
+
+# A folder where a worker that stops on a UserError leaves its rank: torch elastic records
+# only the first exit it sees, often the peer whose collective the rank broke by leaving.
+USER_ERRORS_ENV = "RUNNER_USER_ERRORS_DIR"
+
+
+def _note_user_error() -> None:
+    folder = os.environ.get(USER_ERRORS_ENV)
+    if folder and os.environ.get("RANK", "").isdigit():
+        try:
+            (Path(folder) / f"rank_{os.environ['RANK']}").touch()
+        except OSError:  # best effort: the one-line message is printed either way
+            pass
 
 
 def launch(spec: RunSpec, spec_path: Path, launched: Optional[float] = None) -> None:
@@ -203,7 +220,20 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     if multi_node:
         check_endpoint(spec.launch, endpoint)
+    errors = tempfile.mkdtemp(prefix="runner-user-errors-")
+    previous = os.environ.get(USER_ERRORS_ENV)
+    os.environ[USER_ERRORS_ENV] = errors  # before environment_for: a forked worker takes this environment
     try:
         elastic_launch(config, _worker_entry)(environment_for(method), launched, *spec_paths)
+    except ChildFailedError as err:
+        # The ranks that stopped on a UserError (runner/launch/start.py reports the lowest).
+        err.user_error_ranks = sorted(int(p.name.split("_", 1)[1]) for p in Path(errors).glob("rank_*"))  # type: ignore[attr-defined]
+        raise
     except RendezvousError as err:
         raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(USER_ERRORS_ENV, None)
+        else:
+            os.environ[USER_ERRORS_ENV] = previous

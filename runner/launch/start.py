@@ -155,6 +155,8 @@ def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
         raise SystemExit(code) from None
     except ChildFailedError as err:
         rank, failure = root_failure(err)
+        if failure is None:  # a UserError on that rank, printed there as one line
+            raise RunFailed(f"worker rank {rank} failed: exit code {USAGE_EXIT_CODE}") from None
         # @record hands the failing rank's traceback to this process (the spawned rank
         # does not print it): shown once, above the one-line reason.
         callstack = failure_traceback(failure)
@@ -164,12 +166,16 @@ def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
 
 
 def root_failure(err: ChildFailedError) -> tuple[int, Any]:
-    """The rank whose failure to report: one that stopped on a UserError (its one line is
-    the cause; the others fail when it leaves their collectives), else the first to fail.
-    torch elastic's first failure is the earliest timestamp, and a peer's broken collective
-    can be stamped before a rank that exits on a UserError is seen to exit (under load)."""
-    usage = sorted(rank for rank, failure in err.failures.items() if failure.exitcode == USAGE_EXIT_CODE)
-    return (usage[0], err.failures[usage[0]]) if usage else err.get_first_failure()
+    """The rank whose failure to report, and its torch elastic failure (None when elastic
+    did not record that rank): one that stopped on a UserError (its one line is the
+    cause; a peer fails when it leaves their collective), else the first to fail. Elastic
+    records the first exit it sees, often that peer's; the launcher notes the ranks that
+    stopped on a UserError (`user_error_ranks`, runner/launch/launcher.py)."""
+    usage = sorted({*getattr(err, "user_error_ranks", []),
+                    *(rank for rank, failure in err.failures.items() if failure.exitcode == USAGE_EXIT_CODE)})
+    if usage:
+        return usage[0], err.failures.get(usage[0])
+    return err.get_first_failure()
 
 
 def failure_traceback(failure: Any) -> str:

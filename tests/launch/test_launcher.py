@@ -164,6 +164,13 @@ def test_the_rank_that_stopped_on_a_user_error_is_reported_not_the_peer_it_left_
     peer_first = ChildFailedError("worker", {0: failure(0, 1, 1000), 1: failure(1, 2, 2000)})
     assert peer_first.get_first_failure()[0] == 0  # what torch elastic would report
     assert root_failure(peer_first)[0] == 1
+    # Elastic recorded only the peer (the first exit it saw); the launcher noted rank 1.
+    only_peer = ChildFailedError("worker", {0: failure(0, 1, 1000)})
+    only_peer.user_error_ranks = [1]  # type: ignore[attr-defined]
+    assert root_failure(only_peer) == (1, None)
+    with pytest.raises(RunFailed, match="worker rank 1 failed: exit code 2"):
+        with launch_failures(compose_spec("recipe=gpt2_clm_tiny"), tmp_path):
+            raise only_peer
     with pytest.raises(RunFailed, match="worker rank 1 failed: exit code 2"):
         with launch_failures(compose_spec("recipe=gpt2_clm_tiny"), tmp_path):
             raise peer_first
