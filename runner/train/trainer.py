@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import NO_COMPILE, compile_stats
-from runner.components.instruct import model_inputs, token_losses
+from runner.components.labels import model_inputs, token_losses
 from runner.components.loss_parts import CrossEntropyTap, weighted, window_counts
 from runner.config.spec import PrecisionSpec
 from runner.distributed.process_group import all_ranks_agree

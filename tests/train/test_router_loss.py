@@ -20,7 +20,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from runner.components.chunked_loss import install
-from runner.components.instruct import IGNORE_INDEX
+from runner.components.labels import IGNORE_INDEX
 from runner.components.loss_parts import window_counts
 from runner.config.spec import PrecisionSpec, StrategySpec
 from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
