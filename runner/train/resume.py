@@ -69,7 +69,7 @@ MATH = frozenset({
     # The schedule's shape and peak (optim.lr above, its batch scaling): another recipe for
     # the update, not a longer run of this one. Only its horizon may move (HORIZON).
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
-    "train.seed",
+    "train.seed", "train.objective",
     "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.
