@@ -124,3 +124,21 @@ def test_a_registered_objective_trains_and_evaluates_through_the_unchanged_loop(
     # the loss it returned is what was backwarded and logged: twice the causal LM's (a power of 2: exact)
     assert float(doubled.state.loss_sum) == 2 * float(reference.state.loss_sum) != 0
     assert float(doubled.grad_norm) == 2 * float(reference.grad_norm) != 0
+
+
+def test_a_resume_at_the_last_step_finds_the_objectives_own_logged_figures(tmp_path, monkeypatch, compose_spec):
+    """A resume that runs no step reuses the final evaluation metrics.jsonl logged, found
+    by the names the run's objective reports (runner/train/resume.py: recorded_at_end)."""
+    from dataclasses import replace
+
+    from runner.train.resume import recorded_at_end
+
+    monkeypatch.setitem(OBJECTIVES, "doubled", Doubled)
+    spec = compose_spec("recipe=gpt2_clm_tiny")
+    spec = replace(spec, train=replace(spec.train, objective="doubled"))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 3.0}\n{"step": 4, "doubled_eval_loss": 5.5}\n')
+    found = recorded_at_end(tmp_path, 4, spec, spec, eval_samples=16)
+    assert found.source == "metrics.jsonl" and found.evaluation is not None
+    assert found.evaluation["doubled_eval_loss"] == 5.5 and found.evaluation["eval_samples"] == 16
+    causal = compose_spec("recipe=gpt2_clm_tiny")  # the same line holds none of the causal LM's figures
+    assert recorded_at_end(tmp_path, 4, causal, causal, eval_samples=16).evaluation is None

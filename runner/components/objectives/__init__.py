@@ -8,17 +8,20 @@ in OBJECTIVES; nothing under runner/train/ changes.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from runner.components.objectives.base import Objective, ObjectiveSetup
 from runner.components.objectives.causal_lm import CausalLM
 from runner.config.spec import ObjectiveKind
 
 # One line an objective: its spec value and its class, built from the run's ObjectiveSetup.
-OBJECTIVES: dict[ObjectiveKind, Callable[[ObjectiveSetup], Objective]] = {
+OBJECTIVES: dict[ObjectiveKind, type[Objective]] = {
     ObjectiveKind.causal_lm: CausalLM,
 }
 
 
 def build_objective(kind: ObjectiveKind, setup: ObjectiveSetup) -> Objective:
     return OBJECTIVES[kind](setup)
+
+
+def reported_figures(kind: ObjectiveKind) -> tuple[str, ...]:
+    """The figures an objective's evaluation reports (a resume finds a logged one by them)."""
+    return OBJECTIVES[kind].figures

@@ -47,7 +47,8 @@ class Window:
 
 
 class Objective(abc.ABC):
-    """A training objective (see the module's docstring)."""
+    """A training objective (see the module's docstring), built once per run from an
+    ObjectiveSetup after the model is prepared: `Kind(setup)`."""
 
     #: The figures evaluation reports, in metrics.jsonl's eval lines (the first is the headline).
     figures: tuple[str, ...] = ()
