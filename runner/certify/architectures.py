@@ -51,7 +51,7 @@ VARIANTS: dict[str, Variant] = {
     # 0.01), on instruction data (40 packed rows of 32 tokens, 5 steps an epoch as the
     # text rows have): every strategy weights the cross-entropy by its share of the
     # step's tokens and the router loss as a mean per micro-batch
-    # (runner/components/loss_parts.py). The router loss of a micro-batch is a product
+    # (runner/components/objectives/token_weighting.py). The router loss of a micro-batch is a product
     # of means over its tokens, so 8 rows in one micro-batch are other math than two of
     # 4: the reference is 1 process x 4 rows x 2 accumulation.
     "mixtral_router_sft": Variant(

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.components import liger_loss
-from runner.components.instruct import IGNORE_INDEX
+from runner.components.labels import IGNORE_INDEX
 from runner.components.liger_loss import HeadLoss
 
 # Bytes of fp32 logits one chunk may hold (its log-softmax and gradient add two more):
@@ -138,7 +138,7 @@ def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
         del logits
     shape = labels.shape
     trained = target.reshape(shape) != IGNORE_INDEX
-    # aligned with labels[:, 1:], as instruct.token_losses: the last position predicts nothing
+    # aligned with labels[:, 1:], as labels.token_losses: the last position predicts nothing
     return TokenScores(losses.reshape(shape)[:, :-1], trained[:, :-1], (correct.reshape(shape) & trained)[:, :-1])
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from runner.components.instruct import IGNORE_INDEX, row_real_tokens
+from runner.components.labels import IGNORE_INDEX, row_real_tokens
 
 
 @dataclass(frozen=True)

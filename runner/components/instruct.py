@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-IGNORE_INDEX = -100  # the label transformers' loss skips
+from runner.components.labels import IGNORE_INDEX, model_inputs
 
 
 @dataclass
@@ -287,52 +287,6 @@ def stack_packed(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     keys = ("input_ids", "labels", "position_ids", "real_tokens")
     return {key: torch.stack([torch.as_tensor(r[key]) for r in rows]) for key in keys}
-
-
-def real_tokens(batch: dict[str, Any]) -> int:
-    """The batch's tokens that are not padding: what tokens/s and MFU count."""
-    return int(row_real_tokens(batch).sum())
-
-
-def row_real_tokens(batch: dict[str, Any]) -> Any:
-    """Each row's tokens that are not padding. Packed rows carry their own count (as do
-    a batch's fillers: runner/components/epoch_batches.py); padded ones, their attention
-    mask; run_clm's blocks are all real."""
-    import torch
-
-    if "real_tokens" in batch:
-        return batch["real_tokens"]
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum(dim=1)
-    rows, length = batch["input_ids"].shape
-    return torch.full((rows,), length, dtype=torch.int64)
-
-
-def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True) -> dict[str, Any]:
-    """The forward's arguments for a batch (its labels only if asked). A packed batch
-    (position ids, no attention mask) runs with no cache: a model that builds one (GPT-2
-    does whenever use_cache is on, its config's default) skips the packed-sequence mask,
-    and packed examples would attend to each other. tests/components/test_instruct.py
-    fails on that leak. `cache=False` (model.compile): none either, as each layer's cache
-    state is a guard that would recompile every layer. Otherwise the model's default
-    stays: with neither cache nor mask, transformers looks for packed sequences in the
-    position ids it makes, reading the device (a GPU sync a step)."""
-    inputs = {k: v for k, v in batch.items() if (labels or k != "labels") and k != "real_tokens"}
-    return {**inputs, "use_cache": False} if "position_ids" in batch or not cache else inputs
-
-
-def token_losses(logits: Any, labels: Any) -> tuple[Any, Any]:
-    """A forward's logits and its batch's labels as per-token next-token losses (fp32) and
-    the mask of the trained ones, both aligned with labels[:, 1:] (zero where untrained):
-    their sum over the mask's count is the token-weighted loss, which neither padding nor
-    packing changes."""
-    import torch
-
-    logits = logits[:, :-1].float()  # a no-op in fp32; bf16/fp16 logits reduce in fp32
-    labels = labels[:, 1:]
-    mask = labels != IGNORE_INDEX
-    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (torch.logsumexp(logits, dim=-1) - picked) * mask, mask
 
 
 def renderer(tokenizer: Any, template: Optional[str]) -> Callable[..., str]:

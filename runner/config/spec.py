@@ -81,6 +81,10 @@ class DataFormat(str, enum.Enum):
     chat = "chat"  # a list of {role, content} messages; loss on the assistant turns
 
 
+class ObjectiveKind(str, enum.Enum):
+    causal_lm = "causal_lm"  # next-token cross-entropy over the trained tokens
+
+
 class TooLong(str, enum.Enum):
     truncate = "truncate"
     drop = "drop"
@@ -285,6 +289,11 @@ class TrainSpec:
     """How many of the newest checkpoints to keep."""
     dataloader_num_workers: int = 0
     """DataLoader worker processes (0: load in the training process)."""
+    objective: ObjectiveKind = ObjectiveKind.causal_lm
+    """What the model is trained to do, and what evaluation reports. causal_lm: next-token
+    cross-entropy over the trained tokens (every token of text; the answers of
+    instruction data), token-weighted across micro-batches and ranks; evaluation reports
+    eval_loss, perplexity and eval_accuracy (runner/components/objectives/)."""
     deterministic: bool = False
     """Deterministic GPU kernels: torch.use_deterministic_algorithms(True),
     CUBLAS_WORKSPACE_CONFIG=:4096:8, cudnn.deterministic=True and cudnn.benchmark=False.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -128,13 +127,6 @@ def current_memory_mb(device: Any = None) -> float:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError):
         return peak_memory_mb(device)
-
-
-def perplexity(loss: float) -> float:
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")
 
 
 def write_results(run_dir: Path, train: dict[str, Any], evaluation: Optional[dict[str, Any]]) -> dict[str, Any]:

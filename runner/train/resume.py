@@ -20,9 +20,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
+from runner.components.objectives import reported_figures
 from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
 from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
@@ -69,7 +70,7 @@ MATH = frozenset({
     # The schedule's shape and peak (optim.lr above, its batch scaling): another recipe for
     # the update, not a longer run of this one. Only its horizon may move (HORIZON).
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
-    "train.seed",
+    "train.seed", "train.objective",
     "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.
@@ -471,16 +472,15 @@ def recorded_at_end(run_dir: Path, step: int, checkpoint_spec: RunSpec, spec: Ru
             return found
         except (OSError, ValueError, TypeError):
             pass
-    row = _logged_evaluation(run_dir / "metrics.jsonl", step)
+    row = _logged_evaluation(run_dir / "metrics.jsonl", step, reported_figures(spec.train.objective))
     if row is not None:
         found.evaluation = {**row, "eval_samples": eval_samples, "eval_runtime": None, "eval_samples_per_second": None}
         found.source = "metrics.jsonl"
     return found
 
 
-def _logged_evaluation(path: Path, step: int) -> Optional[dict[str, float]]:
-    """The last evaluation metrics.jsonl logged at `step` (eval_loss, perplexity, eval_accuracy)."""
-    keys = ("eval_loss", "perplexity", "eval_accuracy")
+def _logged_evaluation(path: Path, step: int, keys: Sequence[str]) -> Optional[dict[str, float]]:
+    """The last evaluation metrics.jsonl logged at `step`: the objective's figures (`keys`)."""
     found = None
     try:
         lines = path.read_text().splitlines()

@@ -41,6 +41,8 @@ from runner.components.liger_loss import gpu_present
 from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, resolve_block_size
 from runner.components.stream import BadRecord, BlockStream, StreamedData
+from runner.components.objectives import build_objective
+from runner.components.objectives.base import ObjectiveSetup
 from runner.components.model import (
     build_config,
     build_model,
@@ -73,6 +75,7 @@ from runner.train.loaders import Loaders, data_record, load_data, make_loaders
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.restore import restore_random_state
 from runner.train.signals import EXIT_CODES, Stopped
+from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.trainer import NoStepInPass, NonFiniteLoss, Trainer
 
 # train.per_device_batch_size=auto's probe run writes its ranks' memory here (runner/launch/auto_batch.py).
@@ -249,22 +252,22 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     device_peak = peak_flops(accelerator.device, spec.precision.kind.value)
     if device_peak is None and accelerator.is_main_process:
         log.warning(f"MFU: unknown ({torch.cuda.get_device_name(accelerator.device)} is not in runner/report/flops.py's peak table)")
+    objective = build_objective(spec.train.objective, ObjectiveSetup(
+        accelerator.unwrap_model(model), accelerator.num_processes, plan.grad_accum_steps, built.chunked,
+        spec.model.compile))
     return Trainer(
-        accelerator, model, optimizer, scheduler, train_loader, eval_loader, plan, run_dir,
-        strategy=strategy,
-        max_grad_norm=spec.optim.max_grad_norm,
-        max_consecutive_skipped_steps=spec.precision.max_consecutive_skipped_steps,
-        log_every=t.log_every, eval_every=t.eval_every, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
-        sampler=sampler,
-        stream=isinstance(sampler, BlockStream),
-        data_record=data_record,
-        token_weighted=spec.data.format is not DataFormat.text,
-        chunked_loss=built.chunked,
-        compiled=spec.model.compile,
-        spec_yaml=spec_to_yaml(spec),
-        flops_per_token=model_flops_per_token(config, plan.parameters, block_size, expert_parameters(unwrap(accelerator, model)),
-                                              plan.trainable),
-        peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
+        Engine(accelerator, model, optimizer, scheduler, strategy),
+        TrainData(train_loader, eval_loader, sampler, stream=isinstance(sampler, BlockStream), record=data_record,
+                  counts_real_tokens=spec.data.format is not DataFormat.text),
+        plan, objective,
+        LoopSettings(
+            run_dir, max_grad_norm=spec.optim.max_grad_norm, log_every=t.log_every, eval_every=t.eval_every,
+            save_every=t.save_every, keep_checkpoints=t.keep_checkpoints, spec_yaml=spec_to_yaml(spec),
+            max_consecutive_skipped_steps=spec.precision.max_consecutive_skipped_steps,
+            flops_per_token=model_flops_per_token(config, plan.parameters, block_size,
+                                                  expert_parameters(unwrap(accelerator, model)), plan.trainable),
+            peak_flops=device_peak * accelerator.num_processes if device_peak else 0.0,  # 0: MFU unknown
+            compiled=spec.model.compile),
         ledger=ledger,
     )
 

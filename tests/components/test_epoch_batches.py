@@ -14,7 +14,8 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from runner.components.epoch_batches import Filler, masking_fillers
-from runner.components.instruct import IGNORE_INDEX, pad_batch, real_tokens, stack_packed
+from runner.components.instruct import pad_batch, stack_packed
+from runner.components.labels import IGNORE_INDEX, real_tokens
 
 ROWS = 4  # tokens a row
 

@@ -7,22 +7,19 @@ import pytest
 import torch
 
 from runner.components.instruct import (
-    IGNORE_INDEX,
     Example,
     build,
     chat_example,
     chat_spans,
     fit_to_block,
-    model_inputs,
     pack,
     pad_batch,
     prompt_completion_example,
-    real_tokens,
     record_examples,
     renderer,
     stack_packed,
-    token_losses,
 )
+from runner.components.labels import IGNORE_INDEX, model_inputs, real_tokens, token_losses
 from runner.config.errors import UserError
 from runner.config.paths import asset_path
 

@@ -87,6 +87,8 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
 
     from runner.components.chunked_loss import install
     from runner.components.data import collate_for, prepare
+    from runner.components.objectives.base import ObjectiveSetup
+    from runner.components.objectives.causal_lm import CausalLM
     from runner.config.paths import asset_path
     from runner.train.trainer import Trainer
 
@@ -95,9 +97,9 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     data = prepare(spec.data, tokenizer, 256)
     loader = DataLoader(data.validation, batch_size=4, collate_fn=collate_for(spec.data, data.pad_id))
     chunked, _ = install(model, probe=False)  # as runs evaluate: through the chunked head
-    holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader, chunked_loss=chunked,
-                             strategy=SimpleNamespace(after_evaluation=lambda model: None), compiled=False)
-    holder._token_scores = lambda batch: Trainer._token_scores(holder, batch)  # type: ignore[arg-type]
+    objective = CausalLM(ObjectiveSetup(model, processes=1, grad_accum_steps=1, chunked=chunked))
+    holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader, objective=objective,
+                             strategy=SimpleNamespace(after_evaluation=lambda model: None))
     try:
         return Trainer.evaluate(holder)  # type: ignore[arg-type]
     finally:

@@ -20,11 +20,13 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from runner.components.chunked_loss import install
-from runner.components.instruct import IGNORE_INDEX
-from runner.components.loss_parts import window_counts
+from runner.components.labels import IGNORE_INDEX
+from runner.components.objectives.base import ObjectiveSetup
+from runner.components.objectives.causal_lm import CausalLM
 from runner.config.spec import PrecisionSpec, StrategySpec
 from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
 from runner.distributed.strategies import build_strategy
+from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.trainer import Trainer
 
 VOCAB = 128
@@ -73,9 +75,10 @@ def one_step(tmp_path: Path, coefficient: float, micro_batch: int, accum: int, c
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     plan = SimpleNamespace(grad_accum_steps=accum)
-    trainer = Trainer(accelerator, model, optimizer, scheduler, [], [], plan, tmp_path,  # type: ignore[arg-type]
-                      strategy=strategy, max_grad_norm=0.0, log_every=0, eval_every=0, save_every=0,
-                      keep_checkpoints=1, token_weighted=True, chunked_loss=chunked_loss)
+    objective = CausalLM(ObjectiveSetup(accelerator.unwrap_model(model), processes=1, grad_accum_steps=accum,
+                                        chunked=chunked_loss))
+    trainer = Trainer(Engine(accelerator, model, optimizer, scheduler, strategy),  # type: ignore[arg-type]
+                      TrainData([], [], counts_real_tokens=True), plan, objective, LoopSettings(tmp_path))
     # A window cut short (an epoch's end): Accelerate's counter already stands where it ends.
     accelerator.step = accum - window
     ids, labels = rows()
@@ -87,11 +90,10 @@ def one_step(tmp_path: Path, coefficient: float, micro_batch: int, accum: int, c
         else:  # other rows' content (the epoch's first, in a run), trained on nowhere (masking_fillers)
             micro_batches.append({"input_ids": ids[-micro_batch:], "labels": torch.full_like(labels[:micro_batch], IGNORE_INDEX),
                                   "real_tokens": torch.zeros(micro_batch, dtype=torch.int64)})
-    # The trainer's own counts of a step's window (_token_weighted_windows), on one process.
-    counts = window_counts(micro_batches, torch.device("cpu"), all_ranks=False)
-    for i, batch in enumerate(micro_batches):
-        stepped = trainer.train_step({**batch, "num_items_in_batch": counts.trained_tokens,
-                                      "window_micro_batches": window, "added_share": counts.added_shares[i]})
+    # The step's window as the trainer's loop opens it (runner/train/windows.py), on one process.
+    opened = objective.open_window(micro_batches, torch.device("cpu"), all_ranks=False)
+    for i, batch in enumerate(opened.batches):
+        stepped = trainer.train_step(batch)
         assert stepped == (i == window - 1)
     assert trainer.state.loss_sum is not None and trainer.grad_norm is not None
     return float(trainer.state.loss_sum / trainer.state.loss_count), float(trainer.grad_norm)

@@ -21,6 +21,9 @@ from runner.distributed.accelerator import build_accelerator, reset_accelerate_s
 from runner.distributed.engagement import EngagementError, check_engaged
 from runner.distributed.strategies import build_strategy
 from runner.config.spec import OffloadDevice, OptimSpec, PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
+from runner.components.objectives.base import ObjectiveSetup
+from runner.components.objectives.causal_lm import CausalLM
+from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.trainer import NonFiniteLoss, Trainer
 from runner.train.verdict import Verdicts
 
@@ -58,11 +61,14 @@ class InfGrad:
         param.register_hook(lambda grad: torch.full_like(grad, float("inf")) if self.on else grad)
 
 
-def make_trainer(accelerator, model, optimizer, tmp_path: Path, **kwargs) -> Trainer:
+def make_trainer(accelerator, model, optimizer, tmp_path: Path, strategy: Any = None, max_grad_norm: float = 0.0,
+                 max_consecutive_skipped_steps: int = PrecisionSpec.max_consecutive_skipped_steps) -> Trainer:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))  # moves every step
-    defaults = dict(strategy=build_strategy(StrategySpec(), PrecisionSpec()), max_grad_norm=0.0, log_every=0,
-                    eval_every=0, save_every=0, keep_checkpoints=1)
-    return Trainer(accelerator, model, optimizer, scheduler, [], [], None, tmp_path, **{**defaults, **kwargs})  # type: ignore[arg-type]
+    strategy = strategy or build_strategy(StrategySpec(), PrecisionSpec())
+    objective = CausalLM(ObjectiveSetup(accelerator.unwrap_model(model), processes=1, grad_accum_steps=1))
+    return Trainer(Engine(accelerator, model, optimizer, scheduler, strategy), TrainData([], []), None, objective,  # type: ignore[arg-type]
+                   LoopSettings(tmp_path, max_grad_norm=max_grad_norm,
+                                max_consecutive_skipped_steps=max_consecutive_skipped_steps))
 
 
 def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:

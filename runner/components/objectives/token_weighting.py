@@ -10,7 +10,7 @@ weigh processes x accumulation times what one process gives it.
 
 `CrossEntropyTap` wraps the model's `loss_function` (transformers' per-instance setter;
 the chunked loss's when that is installed, runner/components/chunked_loss.py) and keeps
-a copy of what it returned, so the trainer reads the model's additions as
+a copy of what it returned, so the objective reads the model's additions as
 `outputs.loss - cross_entropy`: whatever the model adds, under whatever coefficient name
 (`router_aux_loss_coef`, JetMoE's `aux_loss_coef`, a z-loss), and nothing for a model
 that adds nothing (the difference is exactly zero).
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from runner.components.chunked_loss import transformers_model
-from runner.components.instruct import IGNORE_INDEX, row_real_tokens
+from runner.components.labels import IGNORE_INDEX, row_real_tokens
 
 
 class CrossEntropyTap:
