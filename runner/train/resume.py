@@ -97,6 +97,7 @@ HARMLESS = frozenset({
     "launch.max_restarts", "launch.rdzv_endpoint", "launch.rdzv_timeout", "launch.node_rank",
     "launch.timeout_minutes",  # how long a collective may wait (the docs say to raise it for a slow step)
     "launch.debug",  # distributed debug logs
+    "launch.start_method",  # how workers start: the same processes, the same math
     "launch.retain_freed_memory",  # whether glibc hands freed host memory back: resident memory, not values
     "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
     "launch.mtbf_hours",  # only the checkpoint interval a run suggests
