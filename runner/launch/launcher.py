@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import time
+import traceback
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +32,7 @@ from runner.distributed.accelerator import reset_accelerate_state
 from runner.distributed.process_group import joined_launch
 from runner.distributed.strategies import build_strategy
 from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, world_size
+from runner.launch import failure_notes
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.launch.start_method import Environment, adopt, environment_for, resolve
@@ -130,22 +130,11 @@ def _worker_entry(environment: Optional[Environment], launched: Optional[float],
         # exit 2, as in the launcher, instead of @record's traceback.
         sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
         sys.stderr.flush()
-        _note_user_error()
+        failure_notes.note(f"exit code {USAGE_EXIT_CODE}")
         raise SystemExit(USAGE_EXIT_CODE) from None
-
-
-# A folder where a worker that stops on a UserError leaves its rank: torch elastic records
-# only the first exit it sees, often the peer whose collective the rank broke by leaving.
-USER_ERRORS_ENV = "RUNNER_USER_ERRORS_DIR"
-
-
-def _note_user_error() -> None:
-    folder = os.environ.get(USER_ERRORS_ENV)
-    if folder and os.environ.get("RANK", "").isdigit():
-        try:
-            (Path(folder) / f"rank_{os.environ['RANK']}").touch()
-        except OSError:  # best effort: the one-line message is printed either way
-            pass
+    except Exception as err:
+        failure_notes.note(traceback.format_exception_only(err)[-1].strip(), traceback.format_exc())
+        raise
 
 
 def launch(spec: RunSpec, spec_path: Path, launched: Optional[float] = None) -> None:
@@ -220,20 +209,11 @@ def _spawn(spec: RunSpec, nproc: int, spec_paths: list[str], launched: Optional[
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     if multi_node:
         check_endpoint(spec.launch, endpoint)
-    errors = tempfile.mkdtemp(prefix="runner-user-errors-")
-    previous = os.environ.get(USER_ERRORS_ENV)
-    os.environ[USER_ERRORS_ENV] = errors  # before environment_for: a forked worker takes this environment
-    try:
-        elastic_launch(config, _worker_entry)(environment_for(method), launched, *spec_paths)
-    except ChildFailedError as err:
-        # The ranks that stopped on a UserError (runner/launch/start.py reports the lowest).
-        err.user_error_ranks = sorted(int(p.name.split("_", 1)[1]) for p in Path(errors).glob("rank_*"))  # type: ignore[attr-defined]
-        raise
-    except RendezvousError as err:
-        raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None
-    finally:
-        shutil.rmtree(errors, ignore_errors=True)
-        if previous is None:
-            os.environ.pop(USER_ERRORS_ENV, None)
-        else:
-            os.environ[USER_ERRORS_ENV] = previous
+    with failure_notes.collecting() as notes:  # before environment_for: a forked worker takes this environment
+        try:
+            elastic_launch(config, _worker_entry)(environment_for(method), launched, *spec_paths)
+        except ChildFailedError as err:
+            err.failure_notes = failure_notes.read(notes)  # type: ignore[attr-defined]  # read by start.launch_failures
+            raise
+        except RendezvousError as err:
+            raise UserError(rendezvous_failure(spec.launch, endpoint, err)) from None

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from runner.components.stream import StreamedData
 from runner.config.batch import accumulation_for
 from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
+from runner.launch import failure_notes
 from runner.config.spec import RunSpec, StrategyKind
 from runner.config.validate import check_launch
 from runner.distributed.process_group import slurm_node_launch
@@ -154,28 +155,20 @@ def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
         )
         raise SystemExit(code) from None
     except ChildFailedError as err:
-        rank, failure = root_failure(err)
-        if failure is None:  # a UserError on that rank, printed there as one line
-            raise RunFailed(f"worker rank {rank} failed: exit code {USAGE_EXIT_CODE}") from None
+        # The rank that failed first by its own account (runner/launch/failure_notes.py),
+        # else torch elastic's record: a rank that died without raising left no note.
+        noted = failure_notes.first(getattr(err, "failure_notes", []))
+        if noted is not None:
+            if noted.callstack:  # shown once, above the one-line reason
+                sys.stderr.write(f"[rank {noted.rank}] {noted.callstack.rstrip()}\n")
+            raise RunFailed(f"worker rank {noted.rank} failed: {noted.reason}") from None
+        rank, failure = err.get_first_failure()
         # @record hands the failing rank's traceback to this process (the spawned rank
         # does not print it): shown once, above the one-line reason.
         callstack = failure_traceback(failure)
         if callstack:
             sys.stderr.write(f"[rank {rank}] {callstack.rstrip()}\n")
         raise RunFailed(f"worker rank {rank} failed: {failure_reason(failure, spec.launch.timeout_minutes)}") from None
-
-
-def root_failure(err: ChildFailedError) -> tuple[int, Any]:
-    """The rank whose failure to report, and its torch elastic failure (None when elastic
-    did not record that rank): one that stopped on a UserError (its one line is the
-    cause; a peer fails when it leaves their collective), else the first to fail. Elastic
-    records the first exit it sees, often that peer's; the launcher notes the ranks that
-    stopped on a UserError (`user_error_ranks`, runner/launch/launcher.py)."""
-    usage = sorted({*getattr(err, "user_error_ranks", []),
-                    *(rank for rank, failure in err.failures.items() if failure.exitcode == USAGE_EXIT_CODE)})
-    if usage:
-        return usage[0], err.failures.get(usage[0])
-    return err.get_first_failure()
 
 
 def failure_traceback(failure: Any) -> str:

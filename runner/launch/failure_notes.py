@@ -1,0 +1,77 @@
+"""Which rank failed first, as the ranks tell it themselves.
+
+torch elastic records one failure: the first worker exit its monitor sees. When a rank
+raises, its peers' collectives break and they raise too, often exiting first (and a
+forkserver reports exits in rank order when several are ready); the run then named a
+peer's "Connection closed by peer ... GLHF" instead of the rank's own error. So each rank
+that raises notes the time, its one-line reason and its traceback in a folder the
+launcher made for the launch (RUNNER_FAILURE_NOTES), and the launch reports the earliest.
+A rank that dies without raising (a signal, an abort, os._exit) leaves no note; then
+elastic's record is all there is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+NOTES_ENV = "RUNNER_FAILURE_NOTES"
+
+
+@dataclass(frozen=True)
+class FailureNote:
+    rank: int
+    time: float
+    reason: str  # one line
+    callstack: str  # the traceback; '' for a UserError, whose line the rank printed
+
+
+def note(reason: str, callstack: str = "") -> None:
+    """In a worker that is failing: note why, for the launcher (best effort: the failure
+    itself goes on either way)."""
+    folder, rank = os.environ.get(NOTES_ENV), os.environ.get("RANK", "")
+    if not folder or not rank.isdigit():
+        return
+    record = {"rank": int(rank), "time": time.time(), "reason": reason, "callstack": callstack}
+    try:
+        (Path(folder) / f"rank_{rank}.json").write_text(json.dumps(record))
+    except OSError:
+        pass
+
+
+@contextmanager
+def collecting() -> Iterator[Path]:
+    """A folder for this launch's notes, named in the environment workers start with
+    (set it before a forked worker's environment is taken); removed afterwards."""
+    folder, previous = Path(tempfile.mkdtemp(prefix="runner-failures-")), os.environ.get(NOTES_ENV)
+    os.environ[NOTES_ENV] = str(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(NOTES_ENV, None)
+        else:
+            os.environ[NOTES_ENV] = previous
+
+
+def read(folder: Path) -> list[FailureNote]:
+    notes = []
+    for path in sorted(folder.glob("rank_*.json")):
+        try:
+            notes.append(FailureNote(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):  # a note cut short by the rank's death
+            continue
+    return notes
+
+
+def first(notes: Sequence[FailureNote]) -> Optional[FailureNote]:
+    """The rank that failed first (the cause; the others failed on its absence)."""
+    return min(notes, key=lambda n: (n.time, n.rank), default=None)
