@@ -81,7 +81,8 @@ class Trainer:
         self._first_batch_part = self.ledger.begin(time.time(), s.step)
         if self.accelerator.is_main_process:  # a restart before the next checkpoint starts from here too
             write_snapshot(self.run_dir, self.ledger, s.step)
-        started = window_start = self.ledger.start_loop()
+        self.ledger.start_loop()  # the ledger's own clock for its parts; the rates read this module's
+        started = window_start = time.perf_counter()
         window_steps = 0
         self.reports.logged_real_tokens = s.real_tokens_so_far()
         self.model.train()
