@@ -23,14 +23,19 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 from typing import Optional
 
 import torch
 
 from runner.config.spec import LaunchSpec, StartMethod
 
-# What the worker imports: the server imports it once, its forks have it.
+# What the worker imports: the server imports it once, its forks have it. First, what
+# keeps the server alive through a signal sent to the launcher's process group.
+SERVER_PRELOAD = ["runner.launch.forkserver_preload"]
 WORKER_MODULE = "runner.launch.launcher"
+# The signals the server ignores (forkserver_preload), back to their default in a worker.
+SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 # The environment the forkserver started with (its children's, before adopt); None: not started.
 _server_environment: Optional[dict[str, str]] = None
@@ -54,7 +59,7 @@ def environment_for(method: str) -> Optional[Environment]:
     if method != "forkserver":
         return None
     if _server_environment is None:
-        multiprocessing.set_forkserver_preload([WORKER_MODULE])
+        multiprocessing.set_forkserver_preload([*SERVER_PRELOAD, WORKER_MODULE])
         multiprocessing.forkserver.ensure_running()
         _server_environment = dict(os.environ)
     return _server_environment, dict(os.environ)
@@ -65,6 +70,8 @@ def adopt(environment: Optional[Environment]) -> None:
     (RANK, WORLD_SIZE, MASTER_PORT, ...: whatever differs from the server's) on top; then
     the thread count it names (torch read the server's when it was imported)."""
     if environment is not None:
+        for signum in SERVER_IGNORES:  # the server's choice, not the worker's (forkserver_preload.py)
+            signal.signal(signum, signal.SIG_DFL)
         server, launch = environment
         rank_settings = {k: v for k, v in os.environ.items() if server.get(k) != v}
         os.environ.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -70,3 +71,38 @@ def test_a_forked_worker_has_the_modules_imported_and_this_launchs_environment(m
     worker.join(timeout=120)
     assert worker.exitcode == 0
     assert queue.get() == (True, "second")
+
+
+def _signals_and_pid(environment: start_method.Environment,
+                     queue: "multiprocessing.SimpleQueue[tuple[object, int, object]]") -> None:
+    import signal
+
+    inherited = signal.getsignal(signal.SIGTERM)
+    adopt(environment)
+    queue.put((inherited, os.getppid(), signal.getsignal(signal.SIGTERM)))
+
+
+@pytest.mark.multiprocess
+def test_the_server_outlives_a_sigterm_to_the_group_and_its_workers_answer_it():
+    """A requeued Slurm job's SIGTERM reaches the launcher's whole process group, the
+    forkserver included: had it died, its workers' exits would read as 255 to torch
+    elastic, which would shut them down before their checkpoint (seen: the requeue test of
+    tests/test_cluster.py came back with no checkpoint). The server ignores it; a worker
+    gets the default back (its training loop installs its own handler)."""
+    import signal
+
+    environment = environment_for("forkserver")
+    context = multiprocessing.get_context("forkserver")
+    queue = context.SimpleQueue()
+    worker = context.Process(target=_signals_and_pid, args=(environment, queue))
+    worker.start()
+    worker.join(timeout=120)
+    inherited, server, after = queue.get()
+    assert inherited == signal.SIG_IGN and after == signal.SIG_DFL
+    os.kill(server, signal.SIGTERM)
+    time.sleep(1)
+    os.kill(server, 0)  # still there: raises ProcessLookupError if the signal had killed it
+    second = context.Process(target=_signals_and_pid, args=(environment, queue))
+    second.start()
+    second.join(timeout=120)
+    assert second.exitcode == 0 and queue.get()[1] == server
