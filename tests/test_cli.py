@@ -210,3 +210,6 @@ def test_cli_fed_a_worker_that_aborts_names_the_timeout_and_nccl_variables(tmp_p
     assert len(line) == 1, done.stderr[-3000:]
     assert "SIGABRT" in line[0] and "launch.timeout_minutes=7" in line[0] and "NCCL_DEBUG=INFO" in line[0]
     assert "TORCH_NCCL_" in line[0]
+    # faulthandler's stack from the aborted rank (runner/launch/failure_notes.py), shown once above
+    assert done.stderr.count("[rank 1] Fatal Python error: Aborted") == 1, done.stderr[-3000:]
+    assert "in patched" in done.stderr.split("[rank 1] Fatal Python error: Aborted")[1]

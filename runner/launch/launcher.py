@@ -119,6 +119,7 @@ def _worker_entry(environment: Optional[Environment], launched: Optional[float],
     launch's start for the goodput ledger (runner/train/ledger.py), handed to a restarted
     worker unchanged (torch elastic keeps the entry's arguments); None: each run starts its own."""
     adopt(environment)
+    failure_notes.watch_fatal_signals()
     try:
         for spec_path in spec_paths:
             worker.main(spec_path, launched)

@@ -161,7 +161,8 @@ def launch_failures(spec: RunSpec, run_dir: Path) -> Iterator[None]:
         if noted is not None:
             if noted.callstack:  # shown once, above the one-line reason
                 sys.stderr.write(f"[rank {noted.rank}] {noted.callstack.rstrip()}\n")
-            raise RunFailed(f"worker rank {noted.rank} failed: {noted.reason}") from None
+            advice = abort_advice(spec.launch.timeout_minutes) if noted.signal == signal.SIGABRT else ""
+            raise RunFailed(f"worker rank {noted.rank} failed: {noted.reason}{advice}") from None
         rank, failure = err.get_first_failure()
         # @record hands the failing rank's traceback to this process (the spawned rank
         # does not print it): shown once, above the one-line reason.
@@ -186,13 +187,17 @@ def failure_reason(failure: Any, timeout_minutes: float) -> str:
     if failure.exitcode == USAGE_EXIT_CODE:  # a UserError on that rank, printed there as one line
         reason = f"exit code {failure.exitcode}"
     if failure.exitcode == -signal.SIGABRT:
-        # NCCL's watchdog does not raise in Python when a collective outlives the process
-        # group's timeout: it aborts the process, so there is no traceback to show.
-        reason += (
-            f". On GPUs this is how NCCL ends a collective that waited longer than "
-            f"launch.timeout_minutes={timeout_minutes:g}: a rank is stuck or died. Rerun with launch.debug=true "
-            "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL) or set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
-            "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to see which collective each rank was in; raise launch.timeout_minutes "
-            "if one step is legitimately that slow. See docs/gpus.md ('Reading a timeout')"
-        )
+        reason += abort_advice(timeout_minutes)
     return reason
+
+
+def abort_advice(timeout_minutes: float) -> str:
+    # NCCL's watchdog does not raise in Python when a collective outlives the process
+    # group's timeout: it aborts the process.
+    return (
+        f". On GPUs this is how NCCL ends a collective that waited longer than "
+        f"launch.timeout_minutes={timeout_minutes:g}: a rank is stuck or died. Rerun with launch.debug=true "
+        "(NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL) or set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to see which collective each rank was in; raise launch.timeout_minutes "
+        "if one step is legitimately that slow. See docs/gpus.md ('Reading a timeout')"
+    )

@@ -176,3 +176,40 @@ def test_the_rank_that_failed_first_is_reported_not_the_peer_it_left_waiting(com
         above = capsys.readouterr().err
         assert above == (f"[rank 1] {callstack}\n" if callstack else "")
     assert failure_notes.first([]) is None
+
+
+def test_a_rank_a_fatal_signal_ended_is_reported_though_its_peer_noted_first(compose_spec, monkeypatch, tmp_path,
+                                                                             capsys):
+    """A rank aborted (NCCL's watchdog) or segfaulted cannot raise; faulthandler writes its
+    stack where the launcher looks. Under load its peer's 'Connection closed' note can be
+    older than the aborted rank's file (seen in CI: 'worker rank 0 failed: ... GLHF' for
+    rank 1's os.abort()): the fatal signal is still the cause."""
+    import os
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from runner.config.errors import RunFailed
+    from runner.launch import failure_notes
+    from runner.launch.start import launch_failures
+
+    spec = compose_spec("recipe=gpt2_clm_tiny")
+    peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "none.json"))
+    with failure_notes.collecting() as folder:
+        monkeypatch.setenv("RANK", "1")
+        (folder / "rank_1.fatal").write_text("")  # as watch_fatal_signals() leaves it while rank 1 lives
+        monkeypatch.setenv("RANK", "0")
+        failure_notes.note("RuntimeError: Connection closed by peer", "Traceback: gloo")
+        assert [n.rank for n in failure_notes.read(folder)] == [0]  # an empty file is no failure
+        stack = "Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n  File \"x.py\", line 3 in step\n"
+        (folder / "rank_1.fatal").write_text(stack)
+        later = time.time() + 5
+        os.utime(folder / "rank_1.fatal", (later, later))
+        notes = failure_notes.read(folder)
+    assert failure_notes.first(notes).rank == 1 and failure_notes.first(notes).signal.name == "SIGABRT"
+    err = ChildFailedError("worker", {0: peer})
+    err.failure_notes = notes  # type: ignore[attr-defined]
+    with pytest.raises(RunFailed, match=r"worker rank 1 failed: Signal 6 \(SIGABRT\) received\. On GPUs .*timeout_minutes"):
+        with launch_failures(spec, tmp_path):
+            raise err
+    assert capsys.readouterr().err == f"[rank 1] {stack}"
