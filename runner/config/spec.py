@@ -79,10 +79,27 @@ class DataFormat(str, enum.Enum):
     text = "text"  # run_clm: raw text, concatenated and cut into blocks
     prompt_completion = "prompt_completion"  # two fields per record; loss on the completion
     chat = "chat"  # a list of {role, content} messages; loss on the assistant turns
+    preference = "preference"  # a prompt, a chosen and a rejected answer (train.objective=dpo)
 
 
 class ObjectiveKind(str, enum.Enum):
     causal_lm = "causal_lm"  # next-token cross-entropy over the trained tokens
+    dpo = "dpo"  # preference optimisation on chosen/rejected pairs (PreferenceSpec's loss_type)
+
+
+class PreferenceLoss(str, enum.Enum):
+    sigmoid = "sigmoid"  # DPO (Rafailov et al.), with label smoothing: conservative DPO
+    ipo = "ipo"  # IPO (Azar et al.), on log-ratios averaged over each answer's tokens, as TRL
+    hinge = "hinge"  # SLiC's hinge on the reward margin
+    simpo = "simpo"  # SimPO (Meng et al.): reference-free, length-normalised, margin gamma
+    orpo = "orpo"  # ORPO (Hong et al.): reference-free, the chosen's NLL plus lambda x an odds-ratio term
+
+
+class ReferenceMode(str, enum.Enum):
+    frozen = "frozen"  # a frozen copy of the starting weights, sharded like the policy
+    adapter_off = "adapter_off"  # with peft: the same model with its adapters disabled
+    precomputed = "precomputed"  # the starting weights' log-probs, computed once before training
+    none = "none"  # simpo and orpo: no reference
 
 
 class TooLong(str, enum.Enum):
@@ -206,6 +223,10 @@ class DataSpec:
     """prompt_completion: the record's completion field."""
     messages_field: str = "messages"
     """chat: the record's list of messages."""
+    chosen_field: str = "chosen"
+    """preference: the record's preferred answer (text, or the assistant's messages)."""
+    rejected_field: str = "rejected"
+    """preference: the record's dispreferred answer (text, or the assistant's messages)."""
     chat_template: Optional[str] = None
     """chat: a Jinja chat template, as a file path or the template itself. null: the
     tokenizer's own (GPT-2's has none: ${asset:chat_template_plain.jinja} is a plain one).
@@ -256,6 +277,24 @@ class ScheduleSpec:
     """Optimizer steps of linear warmup from 0 to `optim.lr`."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of total steps; used when warmup_steps is 0."""
+
+
+@dataclass
+class PreferenceSpec:
+    """train.objective=dpo: the loss on chosen/rejected pairs (docs/preference.md)."""
+
+    loss_type: PreferenceLoss = PreferenceLoss.sigmoid
+    """sigmoid (DPO) | ipo | hinge | simpo | orpo."""
+    beta: float = 0.1
+    """The reward scale: DPO's, IPO's tau, the hinge's; SimPO's beta; ORPO's lambda, the
+    odds-ratio term's weight (TRL's ORPOConfig.beta)."""
+    label_smoothing: float = 0.0
+    """sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
+    gamma: float = 0.5
+    """simpo: the target reward margin over beta (TRL's simpo_gamma)."""
+    reference: Optional[ReferenceMode] = None
+    """frozen | adapter_off | precomputed | none. null: none for simpo and orpo; with
+    peft, adapter_off; otherwise frozen."""
 
 
 @dataclass
@@ -413,6 +452,7 @@ class RunSpec:
     optim: OptimSpec = field(default_factory=OptimSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    preference: PreferenceSpec = field(default_factory=PreferenceSpec)
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     strategy: StrategySpec = field(default_factory=StrategySpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from runner.config.batch import accumulation_for
-from runner.config.spec import DataFormat, DataSpec, PeftKind, RunSpec, StrategyKind
+from runner.config.spec import (DataFormat, DataSpec, ObjectiveKind, PeftKind, PreferenceLoss, PreferenceSpec,
+                                ReferenceMode, RunSpec, StrategyKind)
 
 
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
@@ -186,18 +187,21 @@ def check_format(spec: RunSpec) -> list[str]:
                                    ("data.prompt_field", d.prompt_field != defaults.prompt_field),
                                    ("data.completion_field", d.completion_field != defaults.completion_field),
                                    ("data.messages_field", d.messages_field != defaults.messages_field),
+                                   ("data.chosen_field", d.chosen_field != defaults.chosen_field),
+                                   ("data.rejected_field", d.rejected_field != defaults.rejected_field),
                                    ("data.too_long", d.too_long is not defaults.too_long)) if v]
         if set_here:
             p.append(f"{', '.join(set_here)} set with data.format=text (run_clm's raw text, grouped into blocks): "
-                     "set data.format=prompt_completion or chat, or remove them.")
+                     "set data.format=prompt_completion, chat or preference, or remove them.")
         return p
     if d.chat_template and d.format is not DataFormat.chat:
         p.append(f"data.chat_template is for data.format=chat, not {d.format.value}: set data.chat_template=null.")
     # run_clm's settings that an instruction format has no use for: refused, not ignored
     # (data.preprocessing_num_workers is honoured: the records' tokenization runs on that many)
     if d.text_column is not None:
-        fields = "data.prompt_field and data.completion_field" if d.format is DataFormat.prompt_completion \
-            else "data.messages_field"
+        fields = {DataFormat.prompt_completion: "data.prompt_field and data.completion_field",
+                  DataFormat.chat: "data.messages_field",
+                  DataFormat.preference: "data.prompt_field, data.chosen_field and data.rejected_field"}[d.format]
         p.append(f"data.text_column={d.text_column} is for data.format=text; data.format={d.format.value} reads "
                  f"{fields}. Set data.text_column=null (and name the records' fields there).")
     if d.keep_linebreaks is not DataSpec().keep_linebreaks:
@@ -258,9 +262,61 @@ def check_sweep(spec: RunSpec) -> list[str]:
     return parity_baseline_problems(spec.sweep.parity_baseline)
 
 
+REFERENCE_FREE = (PreferenceLoss.simpo, PreferenceLoss.orpo)
+
+
+def reference_mode(spec: RunSpec) -> ReferenceMode:
+    """preference.reference as the run uses it (null: none for a reference-free loss;
+    adapter_off with peft, the base model under the adapters; else frozen)."""
+    pref = spec.preference
+    if pref.reference is not None:
+        return pref.reference
+    if pref.loss_type in REFERENCE_FREE:
+        return ReferenceMode.none
+    return ReferenceMode.adapter_off if spec.peft.kind is not PeftKind.none else ReferenceMode.frozen
+
+
+def check_preference(spec: RunSpec) -> list[str]:
+    """train.objective=dpo and data.format=preference go together; the loss's settings."""
+    pref, p = spec.preference, []
+    dpo, pairs = spec.train.objective is ObjectiveKind.dpo, spec.data.format is DataFormat.preference
+    if dpo != pairs:
+        p.append("train.objective=dpo trains on data.format=preference (a prompt, a chosen and a rejected answer), "
+                 "and only it does: use objective=dpo with preference data, or neither." if dpo else
+                 "data.format=preference is trained by train.objective=dpo: add objective=dpo.")
+    _positive(p, pref.beta, "preference.beta")
+    _positive(p, pref.gamma, "preference.gamma", allow_zero=True)
+    if not 0.0 <= pref.label_smoothing < 0.5:
+        p.append(f"preference.label_smoothing={pref.label_smoothing} must be in [0, 0.5) (the share of pairs "
+                 "assumed mislabelled).")
+    elif pref.label_smoothing and pref.loss_type not in (PreferenceLoss.sigmoid, PreferenceLoss.simpo):
+        p.append(f"preference.label_smoothing is for loss_type=sigmoid or simpo, not {pref.loss_type.value}: set "
+                 "preference.label_smoothing=0.")
+    defaults = PreferenceSpec()
+    if pref.gamma != defaults.gamma and pref.loss_type is not PreferenceLoss.simpo:
+        p.append(f"preference.gamma is SimPO's margin, not {pref.loss_type.value}'s: set preference.loss_type=simpo "
+                 "or remove preference.gamma.")
+    mode = reference_mode(spec)
+    if pref.loss_type in REFERENCE_FREE and mode is not ReferenceMode.none:
+        p.append(f"preference.loss_type={pref.loss_type.value} is reference-free: set preference.reference=none "
+                 "(or null).")
+    if pref.loss_type not in REFERENCE_FREE and mode is ReferenceMode.none:
+        p.append(f"preference.loss_type={pref.loss_type.value} compares against a reference model: set "
+                 "preference.reference=frozen, precomputed or (with peft) adapter_off.")
+    if mode is ReferenceMode.adapter_off and spec.peft.kind is PeftKind.none:
+        p.append("preference.reference=adapter_off is the model with its adapters disabled, and this run has none: "
+                 "set peft=lora (or dora), or preference.reference=frozen or precomputed.")
+    if pairs and spec.data.packing:
+        p.append("data.packing=true with data.format=preference is not supported yet: set data.packing=false "
+                 "(one pair a row, padded).")
+    if not dpo and pref != defaults:
+        p.append("preference.* is set but train.objective is not dpo: add objective=dpo, or remove them.")
+    return p
+
+
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_streaming,
-    check_format, check_peft, check_sweep,
+    check_format, check_preference, check_peft, check_sweep,
 )
 
 

@@ -76,6 +76,8 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "data.completion_field": lambda tmp: "answer",
     "data.messages_field": lambda tmp: "conversation",
     "data.chat_template": lambda tmp: "{{ messages }}",
+    "data.chosen_field": lambda tmp: "better",  # preference fields, with the micro run's data.format=text
+    "data.rejected_field": lambda tmp: "worse",
     "launch.nproc_per_node": lambda tmp: "two",
     "launch.rdzv_endpoint": lambda tmp: "localhost",
     "launch.device_memory": lambda tmp: "A4O",  # neither a GPU's name nor a size
