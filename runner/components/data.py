@@ -26,6 +26,7 @@ from datasets import Dataset, DatasetDict, Features, Sequence, Value, load_datas
 from transformers import PreTrainedTokenizerBase
 
 from runner.components.data_checks import builder_for
+from runner.components.labels import IGNORE_INDEX
 from runner.config.errors import UserError
 from runner.config.paths import default_cache_dir
 from runner.config.spec import DataFormat, DataSpec
@@ -105,8 +106,10 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
         "preprocessing_num_workers": data.preprocessing_num_workers or 1,
     }
     if data.format is not DataFormat.text:  # text keeps its old keys, and its users' caches
-        parts["instruct"] = {"format": data.format.value, "fields": [data.prompt_field, data.completion_field,
-                             data.messages_field], "template": template, "train_on_prompt": data.train_on_prompt,
+        fields = [data.prompt_field, data.completion_field, data.messages_field]
+        if data.format is DataFormat.preference:
+            fields += [data.chosen_field, data.rejected_field]
+        parts["instruct"] = {"format": data.format.value, "fields": fields, "template": template, "train_on_prompt": data.train_on_prompt,
                              "too_long": data.too_long.value, "packing": data.packing,
                              "rows": 3,  # 2: packed rows carry real_tokens; 3: the text tokenized once
                              "special_tokens": special_tokens(tokenizer)}
@@ -229,6 +232,56 @@ def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedT
     return DatasetDict(splits), counts
 
 
+def preference_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
+                    template: Optional[str]) -> tuple["DatasetDict", dict[str, dict[str, Any]]]:
+    """Preference records as pair rows (runner/components/preference_data.py): the chosen
+    and the rejected answer after the prompt, each with loss on the answer; a pair whose
+    answers are equal is dropped (it trains nothing under any loss here), a pair longer
+    than the block fitted or dropped (data.too_long); counted per split. `pair_index`: the
+    row's place in its split, which the precomputed reference's log-probs are keyed by."""
+    from runner.components.preference_data import fit_pair_to_block, preference_record_row
+
+    names = {"prompt_field": data.prompt_field, "chosen_field": data.chosen_field,
+             "rejected_field": data.rejected_field}
+    sequence = Sequence(Value("int64"))
+    splits, counts = {}, {}
+    for split in ("train", "validation"):
+        where = (data.train_file if split == "train" else data.validation_file or data.train_file) or data.dataset_name
+        tokenized = raw[split].map(
+            preference_record_row, with_indices=True, num_proc=data.preprocessing_num_workers,
+            fn_kwargs={"names": names, "tokenizer": tokenizer, "template": template,
+                       "where": f"{split} data ({where})"},
+            remove_columns=raw[split].column_names, desc=f"Tokenizing {split} pairs", load_from_cache_file=False,
+            features=Features(chosen_input_ids=sequence, chosen_labels=sequence, rejected_input_ids=sequence,
+                              rejected_labels=sequence, same=Value("bool")))
+        rows: list[dict[str, Any]] = []
+        split_counts = {"pairs": 0, "same_answers_dropped": 0, "truncated": 0, "dropped": 0, "tokens": 0,
+                        "trained_tokens": 0}
+        for row in tokenized:
+            if row["same"]:
+                split_counts["same_answers_dropped"] += 1
+                continue
+            pair = {key: list(row[key]) for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
+                                                      "rejected_labels")}
+            fitted = fit_pair_to_block(pair, block_size, data.too_long.value)
+            if fitted is None:
+                split_counts["dropped"] += 1
+                continue
+            split_counts["truncated"] += fitted != pair
+            for side in ("chosen", "rejected"):
+                split_counts["tokens"] += len(fitted[f"{side}_input_ids"])
+                split_counts["trained_tokens"] += sum(label != IGNORE_INDEX for label in fitted[f"{side}_labels"][1:])
+            rows.append({**fitted, "pair_index": len(rows)})
+        split_counts["pairs"] = len(rows)
+        if not rows:
+            raise UserError(f"the {split} data ({where}) leaves no pairs ({split_counts['dropped']} longer than "
+                            f"data.block_size={block_size} dropped, {split_counts['same_answers_dropped']} with equal "
+                            "answers dropped). Give more records, raise data.block_size, or set data.too_long=truncate.")
+        splits[split] = Dataset.from_list(rows)
+        counts[split] = split_counts
+    return DatasetDict(splits), counts
+
+
 def pad_token_id(tokenizer: "PreTrainedTokenizerBase") -> int:
     """The id padding is written with (never trained: its labels are -100): the
     tokenizer's pad token, else its EOS (GPT-2 has no pad token)."""
@@ -309,7 +362,7 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
     instruct = data.format is not DataFormat.text
     template = None
-    if data.format is DataFormat.chat:
+    if data.format is DataFormat.chat or (data.format is DataFormat.preference and data.chat_template):
         from runner.components.instruct import chat_template_text
 
         template = chat_template_text(data.chat_template, tokenizer)
@@ -320,7 +373,9 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
             hit = (path / COMPLETE_MARKER).exists()  # built by whoever held the lock before us
             if not hit:
                 marker: dict[str, Any] = {"block_size": block_size}
-                if instruct:
+                if data.format is DataFormat.preference:
+                    blocks, marker["counts"] = preference_rows(load_raw(data), data, tokenizer, block_size, template)
+                elif instruct:
                     blocks, marker["counts"] = instruction_rows(load_raw(data), data, tokenizer, block_size, template)
                 else:
                     blocks = tokenize_and_group(load_raw(data), data, tokenizer, block_size)
@@ -361,6 +416,10 @@ def collate_for(data: DataSpec, pad_id: int) -> Callable[[list[dict[str, "torch.
     with their position ids; or instruction examples padded to the longest in the batch."""
     if data.format is DataFormat.text:
         return collate
+    if data.format is DataFormat.preference:
+        from runner.components.preference_batch import pad_pairs
+
+        return partial(pad_pairs, pad_id=pad_id)
     from runner.components.instruct import pad_batch, stack_packed
 
     return stack_packed if data.packing else partial(pad_batch, pad_id=pad_id)

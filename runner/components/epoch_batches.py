@@ -92,9 +92,12 @@ def masking_fillers(collate: Callable[[list[Any]], dict[str, torch.Tensor]]) -> 
         batch = collate([row.row if isinstance(row, Filler) else row for row in rows])
         if not bool(fillers.any()):
             return batch
+        # A row may stand for several sequences, laid out as blocks of one sequence a row
+        # (a preference pair's chosen answers, then its rejected ones: preference_batch.py).
+        sequences = fillers.repeat(batch["labels"].shape[0] // len(rows))
         labels = batch["labels"].clone()  # run_clm's blocks: the labels are the input ids, one tensor
-        labels[fillers] = IGNORE_INDEX
-        return {**batch, "labels": labels, "real_tokens": row_real_tokens(batch).masked_fill(fillers, 0)}
+        labels[sequences] = IGNORE_INDEX
+        return {**batch, "labels": labels, "real_tokens": row_real_tokens(batch).masked_fill(sequences, 0)}
 
     return collate_with_fillers
 

@@ -294,7 +294,8 @@ class PreferenceSpec:
     """simpo: the target reward margin over beta (TRL's simpo_gamma)."""
     reference: Optional[ReferenceMode] = None
     """frozen | adapter_off | precomputed | none. null: none for simpo and orpo; with
-    peft, adapter_off; otherwise frozen."""
+    peft, adapter_off; otherwise precomputed (the starting weights' log-probs, scored
+    once before training and kept in the run folder). frozen is not available yet."""
 
 
 @dataclass

@@ -194,8 +194,9 @@ def check_format(spec: RunSpec) -> list[str]:
             p.append(f"{', '.join(set_here)} set with data.format=text (run_clm's raw text, grouped into blocks): "
                      "set data.format=prompt_completion, chat or preference, or remove them.")
         return p
-    if d.chat_template and d.format is not DataFormat.chat:
-        p.append(f"data.chat_template is for data.format=chat, not {d.format.value}: set data.chat_template=null.")
+    if d.chat_template and d.format not in (DataFormat.chat, DataFormat.preference):
+        p.append(f"data.chat_template is for data.format=chat or preference, not {d.format.value}: set "
+                 "data.chat_template=null.")
     # run_clm's settings that an instruction format has no use for: refused, not ignored
     # (data.preprocessing_num_workers is honoured: the records' tokenization runs on that many)
     if d.text_column is not None:
@@ -267,13 +268,14 @@ REFERENCE_FREE = (PreferenceLoss.simpo, PreferenceLoss.orpo)
 
 def reference_mode(spec: RunSpec) -> ReferenceMode:
     """preference.reference as the run uses it (null: none for a reference-free loss;
-    adapter_off with peft, the base model under the adapters; else frozen)."""
+    adapter_off with peft, the base model under the adapters; else precomputed, which
+    holds no second copy of the model under any strategy)."""
     pref = spec.preference
     if pref.reference is not None:
         return pref.reference
     if pref.loss_type in REFERENCE_FREE:
         return ReferenceMode.none
-    return ReferenceMode.adapter_off if spec.peft.kind is not PeftKind.none else ReferenceMode.frozen
+    return ReferenceMode.adapter_off if spec.peft.kind is not PeftKind.none else ReferenceMode.precomputed
 
 
 def check_preference(spec: RunSpec) -> list[str]:
@@ -303,6 +305,10 @@ def check_preference(spec: RunSpec) -> list[str]:
     if pref.loss_type not in REFERENCE_FREE and mode is ReferenceMode.none:
         p.append(f"preference.loss_type={pref.loss_type.value} compares against a reference model: set "
                  "preference.reference=frozen, precomputed or (with peft) adapter_off.")
+    if mode is ReferenceMode.frozen:
+        p.append("preference.reference=frozen (a second, frozen copy of the model) is not available yet: set "
+                 "preference.reference=precomputed (the same log-probs of the starting weights, scored once before "
+                 "training, no second copy) or, with peft, adapter_off.")
     if mode is ReferenceMode.adapter_off and spec.peft.kind is PeftKind.none:
         p.append("preference.reference=adapter_off is the model with its adapters disabled, and this run has none: "
                  "set peft=lora (or dora), or preference.reference=frozen or precomputed.")

@@ -7,6 +7,8 @@ split into parts that add up to it:
 
 - startup: to the first training batch (validation, data preparation, model build,
   wrapping, a resume's loading, the first batch's wait);
+- reference: a preference run's reference log-probs, scored before training
+  (preference.reference=precomputed; nothing when a resume reads them back);
 - compile: torch.compile's compiling (model.compile), wherever it happened: the first
   steps, an evaluation's first batch, a recompilation;
 - steps: the training loop's own time (forward, backward, optimizer, logging);
@@ -50,7 +52,7 @@ from typing import Any, Optional
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torch elastic's, in every worker it starts
 LEDGER_FILENAME = "ledger.json"
-PARTS = ("startup", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
+PARTS = ("startup", "reference", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
 
 
 def restart_count() -> int:
@@ -82,12 +84,15 @@ class Ledger:
         # other parts is its steps' time.
         self._loop_started: Optional[float] = None  # time.perf_counter() at its start
         self._loop_elsewhere = 0.0  # the loop's seconds booked to the other parts
+        self._before_loop = 0.0  # seconds booked to other parts before the loop: not start-up's
 
     def add(self, part: str, seconds: float) -> None:
         """`seconds` went to `part` (during the loop: not to its steps)."""
         self.parts[part] += max(seconds, 0.0)
         if self._loop_started is not None:
             self._loop_elsewhere += seconds
+        elif part not in ("startup", "lost_to_restarts"):
+            self._before_loop += max(seconds, 0.0)
 
     def start_loop(self) -> float:
         """The training loop starts now; returns time.perf_counter() at it."""
@@ -120,7 +125,7 @@ class Ledger:
             # began, so their time is lost; this attempt's own start-up is the start-up
             started = max(self.attempt_start, self.launch)
             self.add("lost_to_restarts", started - self.launch)
-        self.add("startup", now - started)
+        self.add("startup", now - started - self._before_loop)
         return "startup"
 
     def results(self, last_step: int, save_every: int, mtbf_hours: Optional[float]) -> dict[str, Any]:

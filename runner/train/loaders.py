@@ -51,6 +51,11 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
     if accelerator.is_main_process:
         log.info(f"data: {'reused' if data.cache_hit else 'built'} {data.cache_path} in {data.seconds:.1f}s")
         for split, c in (data.counts or {}).items():
+            if "pairs" in c:  # preference data: pairs, one a row (runner/components/preference_data.py)
+                log.info(f"data: {split}: {c['pairs']:,} pairs ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
+                         f"as longer than {block_size} tokens, {c['same_answers_dropped']:,} with equal answers "
+                         f"dropped); {c['trained_tokens']:,} of {c['tokens']:,} tokens trained")
+                continue
             rows = f"packed into {c['rows']:,} rows of {block_size} (packing efficiency {c['packing_efficiency']:.1%})" \
                 if spec.data.packing else f"one a row ({c['rows']:,} rows, padded per batch)"
             log.info(f"data: {split}: {c['examples']:,} examples ({c['truncated']:,} truncated, {c['dropped']:,} dropped "

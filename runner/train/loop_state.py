@@ -23,6 +23,9 @@ class LoopState:
     start_step: int = 0  # the step this process started from (> 0 after a resume)
     loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
     loss_count: int = 0
+    # The objective's further figures (MicroBatchLoss.metrics), summed like loss_sum; a
+    # resume inside a log window logs them over the steps after it.
+    metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
     skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered

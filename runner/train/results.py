@@ -34,6 +34,7 @@ class Reports:
             tracker_log=lambda values, step: accelerator.log(values, step=step),
         )
         self.logged_real_tokens = 0  # real tokens at the last log line (data.counts_real_tokens)
+        self.metric_means: dict[str, float] = {}  # the objective's further figures over the last loss window
 
     def mfu(self, tokens_per_s: float) -> Optional[float]:
         if not self.settings.peak_flops or not tokens_per_s == tokens_per_s:  # unknown peak, or NaN rate
@@ -47,7 +48,9 @@ class Reports:
         mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
         s.total_loss += mean * window_steps
         s.total_loss_steps += window_steps
-        s.loss_sum, s.loss_count = None, 0
+        self.metric_means = {name: self.accelerator.reduce(value / s.loss_count, reduction="mean").item()
+                             for name, value in s.metric_sums.items()}
+        s.loss_sum, s.loss_count, s.metric_sums = None, 0, {}
         return mean
 
     def log_step(self, window_steps: int, elapsed: float, grad_norm: Optional[torch.Tensor], lr: float,
@@ -71,6 +74,7 @@ class Reports:
             # a stream's passes so far (its length is unknown until read through)
             "epoch": s.epoch if self.data.stream else round(s.epoch + min(s.samples_in_epoch / max(plan.train_blocks, 1), 1.0), 4),
             "loss": mean,
+            **self.metric_means,
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,

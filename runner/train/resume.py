@@ -71,6 +71,9 @@ MATH = frozenset({
     # the update, not a longer run of this one. Only its horizon may move (HORIZON).
     "schedule.kind", "schedule.warmup_steps", "schedule.warmup_ratio",
     "train.seed", "train.objective",
+    # preference data and its loss: other pairs, another loss, another reference
+    "data.chosen_field", "data.rejected_field", "preference.loss_type", "preference.beta",
+    "preference.label_smoothing", "preference.gamma", "preference.reference",
     "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.

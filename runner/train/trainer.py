@@ -252,6 +252,8 @@ class Trainer:
         detached = loss.logged.detach().float()
         s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
         s.loss_count += 1
+        for name, value in loss.metrics.items():
+            s.metric_sums[name] = value.float() + s.metric_sums[name] if name in s.metric_sums else value.float()
         if not acc.sync_gradients:
             return False
         s.step += 1

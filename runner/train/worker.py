@@ -41,7 +41,8 @@ from runner.components.liger_loss import gpu_present
 from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, resolve_block_size
 from runner.components.stream import BadRecord, BlockStream, StreamedData
-from runner.components.objectives import build_objective
+from runner.components.objectives import build_objective, objective_class
+from runner.components.objectives.reference import build_reference
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.model import (
     build_config,
@@ -157,9 +158,14 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
         device=describe(accelerator)["device"],
         stream=data.source if streamed else "",
     )
+    # A preference objective's reference, while the model still holds the starting weights
+    started = time.time()
+    reference = None if streamed else build_reference(spec, model, unwrap(accelerator, model), accelerator, data, run_dir)
+    if reference is not None and reference.scored:
+        ledger.add("reference", time.time() - started)
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
-                           data_record(spec, data), ledger)
+                           data_record(spec, data), ledger, reference)
     recorded = restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
@@ -194,7 +200,9 @@ def build_seeded_model(spec: RunSpec) -> Built:
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
     chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss
-                        else (None, "model.chunked_loss=false"))
+                        and objective_class(spec.train.objective).chunked_head
+                        else (None, "model.chunked_loss=false" if not spec.model.chunked_loss else
+                              f"train.objective={spec.train.objective.value} scores each sequence from the whole logits"))
     if chunked is not None:
         note = f"output head and loss by {chunked.kernel} (model.chunked_loss): the whole logits are never held"
         if chunked.state.fused is None and gpu_present():
@@ -239,7 +247,7 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
                  train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, built: Built,
                  block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any],
-                 ledger: Ledger) -> Trainer:
+                 ledger: Ledger, reference: Any = None) -> Trainer:
     t, config = spec.train, built.config
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
@@ -254,7 +262,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         log.warning(f"MFU: unknown ({torch.cuda.get_device_name(accelerator.device)} is not in runner/report/flops.py's peak table)")
     objective = build_objective(spec.train.objective, ObjectiveSetup(
         accelerator.unwrap_model(model), accelerator.num_processes, plan.grad_accum_steps, built.chunked,
-        spec.model.compile))
+        spec.model.compile, preference=spec.preference, reference=reference))
     return Trainer(
         Engine(accelerator, model, optimizer, scheduler, strategy),
         TrainData(train_loader, eval_loader, sampler, stream=isinstance(sampler, BlockStream), record=data_record,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from runner.components.objectives.base import Objective, ObjectiveSetup
 from runner.components.objectives.causal_lm import CausalLM
+from runner.components.objectives.dpo import DirectPreference
 from runner.config.spec import ObjectiveKind
 
 # One line an objective: its spec value and its class, built from the run's ObjectiveSetup.
 OBJECTIVES: dict[ObjectiveKind, type[Objective]] = {
     ObjectiveKind.causal_lm: CausalLM,
+    ObjectiveKind.dpo: DirectPreference,
 }
 
 
@@ -25,3 +27,7 @@ def build_objective(kind: ObjectiveKind, setup: ObjectiveSetup) -> Objective:
 def reported_figures(kind: ObjectiveKind) -> tuple[str, ...]:
     """The figures an objective's evaluation reports (a resume finds a logged one by them)."""
     return OBJECTIVES[kind].figures
+
+
+def objective_class(kind: ObjectiveKind) -> type[Objective]:
+    return OBJECTIVES[kind]

@@ -19,7 +19,7 @@ from `train.objective` (runner/components/objectives/__init__.py) and asked:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -36,6 +36,9 @@ class MicroBatchLoss:
 
     backward: torch.Tensor
     logged: torch.Tensor
+    # Further per-step figures, each weighted like `logged` (the loop averages them over
+    # the window's micro-batches and ranks): a preference objective's rewards/*.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class Objective(abc.ABC):
 
     #: The figures evaluation reports, in metrics.jsonl's eval lines (the first is the headline).
     figures: tuple[str, ...] = ()
+    #: Whether the chunked head and loss (model.chunked_loss) compute this objective's loss.
+    chunked_head: bool = True
 
     @abc.abstractmethod
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:
@@ -85,3 +90,5 @@ class ObjectiveSetup:
     grad_accum_steps: int  # ...and divides it by the accumulation
     chunked: Any = None  # the chunked head and loss installed on the model (model.chunked_loss), or None
     compiled: bool = False  # model.compile: the layers are compiled
+    preference: Any = None  # train.objective=dpo: the run's PreferenceSpec
+    reference: Any = None  # train.objective=dpo: where the reference's log-probs come from (reference.py)

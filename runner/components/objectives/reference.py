@@ -1,0 +1,155 @@
+"""The reference model's log-probs for a preference objective (preference.reference).
+
+- `precomputed`: the starting weights' per-sequence log-probs of every pair, computed
+  once before training by the policy itself (it holds the starting weights then; eval
+  mode, no gradient), in any layout: each rank scores its share of the pairs, and the
+  table is gathered on every rank. It is kept in the run folder, so a resume, and one on
+  another world size or strategy, reads the same numbers instead of scoring the trained
+  weights. No second copy of the model is held, under any strategy.
+- `adapter_off`: with peft, the same model with its adapters disabled (peft's
+  `disable_adapter`), under no gradient: the base model, with no second copy.
+- `none`: reference-free losses (simpo, orpo).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from runner.components.labels import model_inputs, token_losses
+from runner.components.preference_batch import PAIR_INDEX
+
+log = logging.getLogger("runner")
+
+TABLE_FILE = "reference_logps.pt"
+
+SequenceScores = tuple[torch.Tensor, torch.Tensor]  # per sequence: summed answer log-probs, answer tokens
+
+
+def sequence_logps(model: Any, batch: dict[str, Any], cache: bool = True) -> SequenceScores:
+    """Each sequence's summed log-probs of its trained tokens (labels not -100; token t
+    predicted from the tokens before it) in fp32, and their count."""
+    logits = model(**model_inputs(batch, cache=cache)).logits
+    losses, trained = token_losses(logits, batch["labels"])
+    return -losses.sum(dim=1), trained.sum(dim=1)
+
+
+class Reference:
+    """Where a batch's reference log-probs come from; `None` from `logps`: no reference."""
+
+    scored = False  # whether building it scored the data (its time is the ledger's `reference` part)
+
+    def logps(self, model: Any, batch: dict[str, Any], split: str) -> Optional[torch.Tensor]:
+        return None
+
+
+class AdapterOff(Reference):
+    def __init__(self, bare: Any, cache: bool) -> None:
+        self.bare, self.cache = bare, cache  # the PeftModel under the strategy's wrapper
+
+    def logps(self, model: Any, batch: dict[str, Any], split: str) -> Optional[torch.Tensor]:
+        with torch.no_grad(), self.bare.disable_adapter():
+            return sequence_logps(model, batch, self.cache)[0]
+
+
+class Precomputed(Reference):
+    def __init__(self, tables: dict[str, torch.Tensor], scored: bool) -> None:
+        self.tables = tables  # split -> [pairs, 2] (chosen, rejected), on the device
+        self.scored = scored
+
+    def logps(self, model: Any, batch: dict[str, Any], split: str) -> Optional[torch.Tensor]:
+        table = self.tables[split]
+        rows = table[batch[PAIR_INDEX].to(table.device)]
+        return torch.cat([rows[:, 0], rows[:, 1]])
+
+
+def score_pairs(model: Any, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], batch_size: int,
+                accelerator: Any, cache: bool) -> torch.Tensor:
+    """[pairs, 2]: the model's (chosen, rejected) log-probs of every pair of `dataset`, in
+    eval mode with no gradient. Rank r scores pairs r, r + world, ...; every rank runs as
+    many forwards (a sharded model's forward is collective), the last ones repeating a
+    pair, and the scores are gathered on every rank."""
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    count = len(dataset)
+    mine = list(range(rank, count, world))
+    per_rank = -(-count // world)
+    forwards = -(-per_rank // batch_size)
+    scores = torch.full((forwards * batch_size, 3), -1.0, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for step in range(forwards):
+                chunk = mine[step * batch_size:(step + 1) * batch_size]
+                indices = chunk or [0]  # a rank with no pair left still runs the forward
+                batch = {k: v.to(device) for k, v in collate([dataset[i] for i in indices]).items()}
+                logps, _ = sequence_logps(model, batch, cache)
+                pairs = len(indices)
+                rows = torch.stack([batch[PAIR_INDEX].double(), logps[:pairs].double(), logps[pairs:].double()], 1)
+                if not chunk:
+                    rows[:, 0] = -1.0
+                scores[step * batch_size:step * batch_size + pairs] = rows
+    finally:
+        model.train(was_training)
+    gathered = accelerator.gather(scores) if world > 1 else scores
+    table = torch.zeros((count, 2), dtype=torch.float32, device=device)
+    kept = gathered[gathered[:, 0] >= 0]
+    table[kept[:, 0].long()] = kept[:, 1:].float()
+    return table
+
+
+def precomputed_tables(model: Any, splits: dict[str, Any], collate: Callable[[list[Any]], dict[str, Any]],
+                       batch_size: int, accelerator: Any, run_dir: Path, key: str,
+                       cache: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """The reference log-prob tables of every split: read from the run folder when it
+    holds this data's (a resume: the model holds trained weights by now, or will), else
+    scored now and written there by rank 0 (atomically)."""
+    path = run_dir / TABLE_FILE
+    if path.exists():
+        saved = torch.load(path, map_location="cpu")
+        if saved.get("key") == key and all(len(saved["tables"][s]) == len(d) for s, d in splits.items()):
+            return {split: table.to(accelerator.device) for split, table in saved["tables"].items()}, False
+        log.warning(f"{path} was scored for other data; scoring the reference again")
+    tables = {split: score_pairs(model, dataset, collate, batch_size, accelerator, cache)
+              for split, dataset in splits.items()}
+    if accelerator.is_main_process:
+        tmp = path.with_name(f".{TABLE_FILE}.{os.getpid()}.tmp")
+        torch.save({"key": key, "tables": {s: t.cpu() for s, t in tables.items()}}, tmp)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    return tables, True
+
+
+def describe_key(cache_path: Path, model_name: Optional[str], seed: int) -> str:
+    """What a table is valid for: the prepared data and the starting weights' source."""
+    return json.dumps({"data": cache_path.name, "model": model_name, "seed": seed}, sort_keys=True)
+
+
+def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path) -> Optional[Reference]:
+    """The run's reference (None: its objective has none), built on the prepared model
+    before any checkpoint is loaded into it: it still holds the starting weights."""
+    from runner.components.data import collate_for
+    from runner.config.spec import ObjectiveKind, ReferenceMode
+    from runner.config.validate import reference_mode
+
+    if spec.train.objective is not ObjectiveKind.dpo:
+        return None
+    mode, cache = reference_mode(spec), not spec.model.compile
+    if mode is ReferenceMode.adapter_off:
+        return AdapterOff(bare, cache)
+    if mode is ReferenceMode.precomputed:
+        batch = spec.train.per_device_eval_batch_size or spec.train.per_device_batch_size
+        key = describe_key(data.cache_path, spec.model.name_or_path, spec.train.seed)
+        tables, scored = precomputed_tables(model, {"train": data.train, "validation": data.validation},
+                                            collate_for(spec.data, data.pad_id), int(batch), accelerator, run_dir,
+                                            key, cache)
+        if scored and accelerator.is_main_process:
+            log.info(f"reference: scored {sum(len(t) for t in tables.values()):,} pairs with the starting weights "
+                     f"(preference.reference=precomputed), kept in {run_dir / TABLE_FILE}")
+        return Precomputed(tables, scored)
+    return Reference()
