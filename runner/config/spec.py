@@ -291,7 +291,8 @@ class PreferenceSpec:
     label_smoothing: float = 0.0
     """sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
     gamma: float = 0.5
-    """simpo: the target reward margin over beta (TRL's simpo_gamma)."""
+    """simpo: the target reward margin γ (TRL's simpo_gamma): the loss is
+    -log σ(β x (the mean log-prob margin) - γ)."""
     reference: Optional[ReferenceMode] = None
     """frozen | adapter_off | precomputed | none. null: none for simpo and orpo; with
     peft, adapter_off; otherwise precomputed (the starting weights' log-probs, scored
