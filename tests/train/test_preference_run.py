@@ -1,0 +1,52 @@
+"""A preference run end to end (recipe=gpt2_dpo_tiny, dropout on as the recipe trains):
+kill -9 between checkpoints and resume=auto continues bit for bit, reading the reference's
+log-probs back from the run folder instead of scoring the data again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import resume_cmd
+from test_checkpoint import kill_9_at_step
+
+pytestmark = [pytest.mark.e2e]
+
+# 13 pairs at 4 a step: the epoch ends inside step 4 (one pair and three fillers); the
+# checkpoint at step 4, the kill after step 5.
+QUICK = ["recipe=gpt2_dpo_tiny", "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=128'",
+         "data.block_size=128", "data.max_train_samples=13", "data.max_eval_samples=4", "train.per_device_batch_size=4",
+         "train.max_steps=7", "train.log_every=1", "train.eval_every=0", "train.save_every=2", "tracking=none"]
+
+
+def command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "runner", *QUICK, f"hydra.run.dir={run_dir}"]
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_kill_9_and_resume_continue_a_preference_run_bit_for_bit(tmp_path):
+    full = tmp_path / "full"
+    done = subprocess.run(command(full), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reference: scored 17 pairs with the starting weights" in done.stderr
+    run_dir = tmp_path / "run"
+    kill_9_at_step(command(run_dir), run_dir, step=5)
+    resumed = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "reference: scored" not in resumed.stderr  # read back from the run folder
+    names = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+    ours, reference = steps(run_dir), steps(full)
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, 8))
+    for a, b in zip(ours, reference):
+        assert {n: a[n] for n in names} == {n: b[n] for n in names}, a["step"]
+    results = [json.loads((d / "all_results.json").read_text()) for d in (run_dir, full)]
+    for key in ("train_loss", "eval_loss", "rewards/accuracies", "rewards/margins"):
+        assert results[0][key] == results[1][key], key
+    assert results[1]["goodput"]["parts_seconds"]["reference"] > 0  # its own part of the ledger, not start-up
