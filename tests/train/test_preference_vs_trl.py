@@ -35,19 +35,24 @@ def write_pairs(path: Path, count: int, offset: int) -> None:
                                   "rejected": " " + lines[-1 - i]}) + "\n")
 
 
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory) -> Path:
-    """A tiny GPT-2, dropout off, saved with the vendored tokenizer: both trainers start from it."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+def save_model(folder: Path, arch: str) -> Path:
+    """A tiny model, dropout off, saved with the vendored GPT-2 tokenizer: both trainers start from it.
+    llama: grouped-query attention (4 heads, 2 key/value heads) and rotary positions."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from runner.config.paths import asset_path
 
-    folder = tmp_path_factory.mktemp("tiny_gpt2")
     tokenizer = AutoTokenizer.from_pretrained(str(asset_path("gpt2_tokenizer")))
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    GPT2LMHeadModel(config).save_pretrained(folder)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128, bos_token_id=tokenizer.bos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -95,8 +100,9 @@ def runner_order(count: int) -> list[int]:
     return list(EpochSampler(count, SEED))
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid"])
-def test_every_step_equals_trls_dpo_trainer(saved_model, tmp_path, loss_type):
+@pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid")])
+def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
+    saved_model = save_model(tmp_path / f"tiny_{arch}", arch)
     train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
     write_pairs(train, BATCH * STEPS, 0)
     write_pairs(validation, 8, 2000)
