@@ -154,6 +154,8 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         ("eval_loss", "eval loss"),
         ("perplexity", "perplexity"),
         ("eval_accuracy", "token accuracy"),
+        ("rewards/accuracies", "reward accuracy"),  # a preference run's evaluation (train.objective=dpo)
+        ("rewards/margins", "reward margin"),
         ("train_steps", "optimizer steps"),
         ("train_tokens", "tokens seen"),
         ("train_runtime", "train time (s)"),

@@ -36,6 +36,7 @@ def test_kill_9_and_resume_continue_a_preference_run_bit_for_bit(tmp_path):
     done = subprocess.run(command(full), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reference: scored 17 pairs with the starting weights" in done.stderr
+    assert "reward accuracy" in done.stderr and "reward margin" in done.stderr  # the summary table's rows
     run_dir = tmp_path / "run"
     kill_9_at_step(command(run_dir), run_dir, step=5)
     resumed = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
