@@ -23,8 +23,8 @@ class LoopState:
     start_step: int = 0  # the step this process started from (> 0 after a resume)
     loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
     loss_count: int = 0
-    # The objective's further figures (MicroBatchLoss.metrics), summed like loss_sum; a
-    # resume inside a log window logs them over the steps after it.
+    # The objective's further figures (MicroBatchLoss.metrics), summed like loss_sum (and
+    # checkpointed like it: a resume inside a log window closes it with the same numbers).
     metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
@@ -50,6 +50,13 @@ def checkpoint_meta(state: LoopState, plan: RunPlan, accelerator: Any, counts_re
     # that window with the very same numbers (a mean over ranks would round).
     pending = torch.zeros(1, device=accelerator.device) if s.loss_sum is None else s.loss_sum.reshape(1)
     pending_sums = [float(v) for v in accelerator.gather(pending.float()).cpu()]
+    # The objective's further figures (a preference run's rewards/*) likewise, each rank's own
+    names = sorted(s.metric_sums)
+    metric_sums: dict[str, list[float]] = {}
+    if names:
+        stacked = torch.stack([s.metric_sums[name].float().reshape(()) for name in names]).reshape(1, -1)
+        per_rank = accelerator.gather(stacked).cpu()
+        metric_sums = {name: [float(v) for v in per_rank[:, i]] for i, name in enumerate(names)}
     meta = {
         "epoch": s.epoch,
         "samples_in_epoch": s.samples_in_epoch,
@@ -62,6 +69,7 @@ def checkpoint_meta(state: LoopState, plan: RunPlan, accelerator: Any, counts_re
         "total_loss_steps": s.total_loss_steps,
         "pending_loss_sums": pending_sums,
         "pending_loss_count": s.loss_count,
+        "pending_metric_sums": metric_sums,
         "skipped_steps": s.skipped_steps,
     }
     if counts_real_tokens:
@@ -92,11 +100,16 @@ def restore_loop_state(state: LoopState, meta: dict[str, Any], plan: RunPlan, ac
             len(sums) == plan.world_size
             and int(meta.get("grad_accum_steps", plan.grad_accum_steps)) == plan.grad_accum_steps
         )
+        metric_sums = meta.get("pending_metric_sums") or {}
         if same_layout:  # this rank's own sum: the window closes bit-exactly
             s.loss_count = count
             s.loss_sum = torch.tensor(sums[accelerator.process_index], device=accelerator.device)
+            s.metric_sums = {name: torch.tensor(values[accelerator.process_index], device=accelerator.device)
+                             for name, values in metric_sums.items()}
         else:  # another layout: the window's mean micro-batch loss, over this layout's count
             old_accum = int(meta.get("grad_accum_steps", 1))
             s.loss_count = count // old_accum * plan.grad_accum_steps
             mean = sum(sums) / len(sums) / count
             s.loss_sum = torch.tensor(mean * s.loss_count, device=accelerator.device)
+            s.metric_sums = {name: torch.tensor(sum(values) / len(values) / count * s.loss_count,
+                                                device=accelerator.device) for name, values in metric_sums.items()}

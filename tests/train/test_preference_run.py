@@ -16,11 +16,12 @@ from test_checkpoint import kill_9_at_step
 
 pytestmark = [pytest.mark.e2e]
 
-# 13 pairs at 4 a step: the epoch ends inside step 4 (one pair and three fillers); the
-# checkpoint at step 4, the kill after step 5.
+# 13 pairs at 4 a step: the epoch ends inside step 4 (one pair and three fillers); logged
+# every 3 steps, saved every 4: the step-4 checkpoint falls inside the 4-6 log window, and
+# the kill lands after step 6 is logged, two steps past it.
 QUICK = ["recipe=gpt2_dpo_tiny", "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=128'",
          "data.block_size=128", "data.max_train_samples=13", "data.max_eval_samples=4", "train.per_device_batch_size=4",
-         "train.max_steps=7", "train.log_every=1", "train.eval_every=0", "train.save_every=2", "tracking=none"]
+         "train.max_steps=7", "train.log_every=3", "train.eval_every=0", "train.save_every=4", "tracking=none"]
 
 
 def command(run_dir: Path) -> list[str]:
@@ -38,13 +39,13 @@ def test_kill_9_and_resume_continue_a_preference_run_bit_for_bit(tmp_path):
     assert "reference: scored 17 pairs with the starting weights" in done.stderr
     assert "reward accuracy" in done.stderr and "reward margin" in done.stderr  # the summary table's rows
     run_dir = tmp_path / "run"
-    kill_9_at_step(command(run_dir), run_dir, step=5)
+    kill_9_at_step(command(run_dir), run_dir, step=6)
     resumed = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "reference: scored" not in resumed.stderr  # read back from the run folder
     names = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
     ours, reference = steps(run_dir), steps(full)
-    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, 8))
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == [3, 6]
     for a, b in zip(ours, reference):
         assert {n: a[n] for n in names} == {n: b[n] for n in names}, a["step"]
     results = [json.loads((d / "all_results.json").read_text()) for d in (run_dir, full)]
