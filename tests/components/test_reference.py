@@ -1,0 +1,68 @@
+"""The reference's log-probs (runner/components/objectives/reference.py): scored in shares
+that cover every pair once, and with the adapters off equal to the base model alone."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+from runner.components.objectives.reference import AdapterOff, Precomputed, score_pairs, sequence_logps
+from runner.components.preference_batch import pad_pairs
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+
+
+def pairs(count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for index in range(count):
+        prompt = torch.randint(0, 97, (2 + index % 3,), generator=generator).tolist()
+        chosen = torch.randint(0, 97, (1 + index % 4,), generator=generator).tolist()
+        rejected = torch.randint(0, 97, (3,), generator=generator).tolist()
+        rows.append({"chosen_input_ids": prompt + chosen, "chosen_labels": [-100] * len(prompt) + chosen,
+                     "rejected_input_ids": prompt + rejected, "rejected_labels": [-100] * len(prompt) + rejected,
+                     "pair_index": index})
+    return rows
+
+
+def one_process() -> SimpleNamespace:
+    return SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"), is_main_process=True,
+                           gather=lambda t: t, wait_for_everyone=lambda: None)
+
+
+def test_the_table_holds_every_pairs_own_log_probs_whatever_the_batch():
+    """7 pairs in batches of 3 (the last batch short) and of 1: each row of the table is
+    that pair's log-probs scored alone."""
+    model, rows = tiny_gpt2(), pairs(7)
+    collate = lambda batch: pad_pairs(batch, pad_id=0)  # noqa: E731
+    alone = torch.stack([sequence_logps(model, collate([row]))[0] for row in rows])  # [7, 2]
+    for batch_size in (3, 1):
+        table = score_pairs(model, rows, collate, batch_size, one_process(), cache=True)
+        torch.testing.assert_close(table, alone.float(), rtol=0, atol=1e-5)
+    looked_up = Precomputed({"train": table}, scored=True).logps(model, collate([rows[5], rows[2]]), "train")
+    torch.testing.assert_close(looked_up, torch.stack([table[5, 0], table[2, 0], table[5, 1], table[2, 1]]))
+
+
+def test_the_adapters_off_give_the_base_models_log_probs_not_the_adapted_ones():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_gpt2()
+    adapted = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                             fan_in_fan_out=True))
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    batch = pad_pairs(pairs(4), pad_id=0)
+    off = AdapterOff(adapted, cache=True).logps(adapted, batch, "train")
+    with torch.no_grad():
+        torch.testing.assert_close(off, sequence_logps(base, batch)[0], rtol=0, atol=1e-6)
+        assert (sequence_logps(adapted, batch)[0] - off).abs().max() > 1e-3  # the adapters do move them
