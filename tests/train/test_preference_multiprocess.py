@@ -61,3 +61,16 @@ def test_every_layout_trains_the_pairs_of_one_process(reference, tmp_path, layou
         for name in names:
             assert abs(a[name] - b[name]) <= 1e-4 * max(1.0, abs(b[name])), (a["step"], name, a[name], b[name])
     assert lines[-1]["loss"] != lines[0]["loss"]  # steps were taken
+
+
+def test_a_zero3_run_resumed_under_ddp_on_one_process_continues_as_one_process(reference, tmp_path):
+    """Elastic: a 2-process zero3 run's step-2 checkpoint, read into one process under ddp
+    (1 x 4 x 2, the same global batch) into a new run folder, which scores the reference
+    again with the starting weights (the checkpoint is loaded after): steps 3-4 equal the
+    uninterrupted one-process run."""
+    run(tmp_path / "zero3", [*TWO, "strategy=zero3", "train.save_every=2"])
+    resumed = run(tmp_path / "ddp", ["train.per_device_batch_size=4", "train.grad_accum_steps=2",
+                                     f"resume={tmp_path / 'zero3' / 'checkpoints' / 'step_2'}"])
+    ours, theirs = step_records(resumed), step_records(reference)
+    assert sorted(ours) == [3, 4]
+    assert parity_problems({step: theirs[step] for step in (3, 4)}, ours) == []
