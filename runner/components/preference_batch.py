@@ -13,26 +13,17 @@ from typing import Any, Sequence
 
 import torch
 
-from runner.components.labels import IGNORE_INDEX
+from runner.components.instruct import pad_batch
 
 PAIR_INDEX = "pair_index"
 
 
 def pad_pairs(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pair rows as one batch: [chosen_0 .. chosen_{P-1}, rejected_0 .. rejected_{P-1}]."""
-    sequences = [(row[f"{side}_input_ids"], row[f"{side}_labels"]) for side in ("chosen", "rejected") for row in rows]
-    longest = max(len(ids) for ids, _ in sequences)
-
-    def padded(values: Any, fill: int) -> list[int]:
-        values = values.tolist() if hasattr(values, "tolist") else list(values)
-        return values + [fill] * (longest - len(values))
-
-    return {
-        "input_ids": torch.tensor([padded(ids, pad_id) for ids, _ in sequences]),
-        "labels": torch.tensor([padded(labels, IGNORE_INDEX) for _, labels in sequences]),
-        "attention_mask": torch.tensor([padded([1] * len(ids), 0) for ids, _ in sequences]),
-        PAIR_INDEX: torch.tensor([int(row[PAIR_INDEX]) for row in rows]),
-    }
+    """Pair rows as one batch: [chosen_0 .. chosen_{P-1}, rejected_0 .. rejected_{P-1}],
+    padded as instruction examples are (instruct.pad_batch)."""
+    sequences = [{"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]}
+                 for side in ("chosen", "rejected") for row in rows]
+    return {**pad_batch(sequences, pad_id), PAIR_INDEX: torch.tensor([int(row[PAIR_INDEX]) for row in rows])}
 
 
 def pairs_in(batch: dict[str, Any]) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runner.components.labels import row_real_tokens
+from runner.components.labels import IGNORE_INDEX, row_real_tokens
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.preference_loss import pair_terms
 from runner.components.objectives.reference import Reference, sequence_logps
@@ -47,9 +47,10 @@ class DirectPreference(Objective):
     # ------------------------------------------------------------------ training
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:
         """Each micro-batch carries the step's real pairs and chosen answer tokens on all ranks."""
+        chosen = [self._chosen(batch["labels"][:, 1:] != IGNORE_INDEX) for batch in window]  # trained, per token
         counted = torch.stack([
-            torch.stack([self._chosen(batch["labels"][:, 1:] != -100).any(dim=1).sum() for batch in window]).sum(),
-            torch.stack([(self._chosen(batch["labels"][:, 1:] != -100)).sum() for batch in window]).sum(),
+            torch.stack([trained.any(dim=1).sum() for trained in chosen]).sum(),
+            torch.stack([trained.sum() for trained in chosen]).sum(),
             torch.stack([row_real_tokens(batch).sum() for batch in window]).sum(),
         ]).to(device=device, dtype=torch.int64)
         if all_ranks:
@@ -91,7 +92,7 @@ class DirectPreference(Objective):
         }
         sums = {name: (value * real).sum() for name, value in figures.items()}
         return {**sums, "loss_sum": (terms.loss * real).sum(), "nll_sum": -(logps[:p] * real).sum(),
-                "per_pair_loss": terms.loss.detach(), "real": real, "chosen_tokens": tokens[:p] * real,
+                "per_pair_loss": terms.loss.detach(), "chosen_tokens": tokens[:p] * real,
                 "chosen_logps": logps[:p].detach(), **{f"pair:{k}": v for k, v in figures.items()}}
 
     # ------------------------------------------------------------------ evaluation

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runner.components.labels import model_inputs, token_losses
+from runner.components.labels import model_inputs
+from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.preference_batch import PAIR_INDEX
 
 log = logging.getLogger("runner")
@@ -32,11 +33,9 @@ SequenceScores = tuple[torch.Tensor, torch.Tensor]  # per sequence: summed answe
 
 
 def sequence_logps(model: Any, batch: dict[str, Any], cache: bool = True) -> SequenceScores:
-    """Each sequence's summed log-probs of its trained tokens (labels not -100; token t
-    predicted from the tokens before it) in fp32, and their count."""
-    logits = model(**model_inputs(batch, cache=cache)).logits
-    losses, trained = token_losses(logits, batch["labels"])
-    return -losses.sum(dim=1), trained.sum(dim=1)
+    """One forward of `model` on `batch`: each sequence's summed log-probs of its trained
+    tokens in fp32, and their count (preference_loss.sequence_logps of its logits)."""
+    return logps_of_logits(model(**model_inputs(batch, cache=cache)).logits, batch["labels"])
 
 
 class Reference:
