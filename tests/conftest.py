@@ -214,7 +214,9 @@ class TierGuard:
 
 
 _ACTIVE: list[TierGuard] = []  # the test's guard, and a fixture's while it is set up
-_FIXTURE_TIER: dict[str, str] = {}  # what setting up each fixture cost (a module fixture's run counts for its tests)
+# What setting up each fixture cost (a module fixture's run counts for its tests), keyed by
+# the fixture's definition: two modules' fixtures of one name cost what each costs.
+_FIXTURE_TIER: dict[tuple[str, str], str] = {}
 
 
 def _costlier(*tiers: str) -> str:
@@ -258,7 +260,20 @@ def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Ite
         yield
     finally:
         _ACTIVE.remove(guard)
-        _FIXTURE_TIER[fixturedef.argname] = _costlier(_FIXTURE_TIER.get(fixturedef.argname, "unit"), guard.needed())
+        key = _fixture_key(fixturedef)
+        _FIXTURE_TIER[key] = _costlier(_FIXTURE_TIER.get(key, "unit"), guard.needed())
+
+
+def _fixture_key(fixturedef: Any) -> tuple[str, str]:
+    return fixturedef.baseid, fixturedef.argname
+
+
+def _fixture_tiers(item: pytest.Item) -> list[str]:
+    """What each fixture the test uses cost, by the definition it resolves to."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs if info is not None else {}
+    return [_FIXTURE_TIER.get(_fixture_key(defs[name][-1]), "unit") if defs.get(name) else "unit"
+            for name in getattr(item, "fixturenames", ())]
 
 
 @pytest.fixture(autouse=True)
@@ -267,7 +282,7 @@ def _tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     _ACTIVE.append(guard)
     yield
     _ACTIVE.remove(guard)
-    fixtures = [_FIXTURE_TIER.get(name, "unit") for name in request.fixturenames]
+    fixtures = _fixture_tiers(request.node)
     needed, marked = _costlier(guard.needed(), *fixtures), _tier(request.node)
     report = os.environ.get("RUNNER_TIER_REPORT")  # a file: note each test's tier there, for re-marking
     if report:
