@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,9 @@ class _HeadState:
     fused: Optional[HeadLoss] = None  # Liger's kernel, for hidden states on a GPU (runner/components/liger_loss.py)
     scoring: bool = False  # evaluation: the head keeps per-token scores (`scores`) instead of a loss
     scores: Optional[TokenScores] = None
+    # What the head returns instead, for the forward in flight: another objective's loss of
+    # (hidden states, weight, bias) (`computing`: runner/components/chunked_pairs.py's).
+    compute: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
 
 
 class ChunkedLoss:
@@ -173,6 +176,9 @@ class ChunkedLoss:
         state = self.state
 
         def head_forward(module: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+            if state.compute is not None:
+                compute, state.compute = state.compute, None
+                return compute(hidden, module.weight, module.bias)
             labels, state.labels = state.labels, None
             if labels is None:
                 return F.linear(hidden, module.weight, module.bias)
@@ -216,6 +222,30 @@ class ChunkedLoss:
             yield
         finally:
             self.state.labels = self.state.total = None
+
+    def computing(self, model: Any, inputs: dict[str, Any],
+                  compute: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]) -> Any:
+        """One forward of `model` (the prepared one, so every strategy's hooks run) on
+        `inputs` (no labels) whose output head returns `compute(hidden, weight, bias)`
+        instead of logits; returns what the model returned for it, which carries the
+        strategies' backward (ZeRO-3 hands a module's outputs on through its hook)."""
+        returned: list[torch.Tensor] = []
+
+        def noting(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            returned.append(compute(hidden, weight, bias))
+            return returned[-1]
+
+        self.state.compute = noting
+        try:
+            output = model(**inputs).logits
+        finally:
+            self.state.compute = None
+        if not returned:
+            raise RuntimeError("chunked loss: the model's forward never called its output head; set model.chunked_loss=false")
+        if not _same_values(output, returned[0]):
+            raise RuntimeError("chunked loss: the model changed the head's output (soft-capping or a logit scale); "
+                               "set model.chunked_loss=false")
+        return output
 
     def scores(self, model: Any, inputs: dict[str, Any], labels: torch.Tensor) -> TokenScores:
         """Evaluation's per-token figures of one forward of `model` (the prepared one, so

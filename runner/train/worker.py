@@ -160,7 +160,8 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     )
     # A preference objective's reference, while the model still holds the starting weights
     started = time.time()
-    reference = None if streamed else build_reference(spec, model, unwrap(accelerator, model), accelerator, data, run_dir)
+    reference = None if streamed else build_reference(spec, model, unwrap(accelerator, model), accelerator, data, run_dir,
+                                                      built.chunked)
     if reference is not None and reference.scored:
         ledger.add("reference", time.time() - started)
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6

@@ -3,7 +3,10 @@
 Each micro-batch holds P pairs as 2P sequences (runner/components/preference_batch.py);
 one forward scores both halves: each answer's summed log-probs and its token count. The
 reference's log-probs come from preference.reference (reference.py), and the loss type's
-per-pair terms from preference_loss.py (each equal to TRL's).
+per-pair terms from preference_loss.py (each equal to TRL's). With the chunked head
+installed (model.chunked_loss, the default), the head computes the pairs' loss chunk by
+chunk of pairs and the whole logits are never held (runner/components/chunked_pairs.py);
+else from the model's logits.
 
 A step's loss is the mean over its pairs on every rank and micro-batch: `open_window`
 counts the real pairs of the whole step before it runs (one all-reduce; an epoch's
@@ -19,10 +22,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runner.components.labels import IGNORE_INDEX, row_real_tokens
+from runner.components.chunked_pairs import forward_pairs
+from runner.components.labels import IGNORE_INDEX, model_inputs, row_real_tokens
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.preference_loss import pair_terms
-from runner.components.objectives.reference import Reference, sequence_logps
+from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
+from runner.components.objectives.reference import Reference
 from runner.components.preference_batch import PAIR_INDEX, pairs_in
 from runner.config.spec import PreferenceLoss
 
@@ -33,13 +38,20 @@ PAIR_FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
                 "logps/rejected")
 
 
+def _filled(logps: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """An epoch's filler pairs (no answer token: a log-prob sum of 0) given a log-prob of
+    -1 a sequence: ORPO's log(1 - p) of p = exp(0) is -inf, and 0 x inf is NaN in the
+    sum over pairs and in its gradient. A filler's terms are weighted by 0 anyway."""
+    return torch.where(real > 0, logps, torch.full_like(logps, -1.0))
+
+
 class DirectPreference(Objective):
     figures = ("eval_loss", *PAIR_FIGURES)
-    chunked_head = False  # per-sequence log-probs come from the whole logits (the chunked head sums all tokens)
 
     def __init__(self, setup: ObjectiveSetup) -> None:
         self.processes, self.grad_accum_steps = setup.processes, setup.grad_accum_steps
         self.cache = not setup.compiled
+        self.chunked = setup.chunked
         self.settings = setup.preference
         self.reference: Reference = setup.reference if setup.reference is not None else Reference()
         self.orpo = self.settings.loss_type is PreferenceLoss.orpo
@@ -65,25 +77,46 @@ class DirectPreference(Objective):
 
     def loss(self, model: Any, batch: Batch) -> MicroBatchLoss:
         pairs, chosen_tokens, micro = batch.pop(_PAIRS), batch.pop(_CHOSEN_TOKENS), batch.pop(_MICRO_BATCHES)
-        scored = self._score(model, batch, "train")
+        scored = self._score(model, batch, "train", (pairs.clamp(min=1), chosen_tokens.clamp(min=1)))
         # Backward averages over ranks and divides by the accumulation: undone here. The
         # log averages over ranks and the window's micro-batches.
         undo, logged_by = self.processes * self.grad_accum_steps, self.processes * micro
-        total = scored["loss_sum"] / pairs.clamp(min=1)
-        if self.orpo:
-            total = total + scored["nll_sum"] / chosen_tokens.clamp(min=1)
+        total = scored["loss"]
         metrics = {name: scored[name].detach() / pairs.clamp(min=1) * logged_by for name in PAIR_FIGURES}
         return MicroBatchLoss(total * undo, total * logged_by, metrics)
 
-    def _score(self, model: Any, batch: Batch, split: str) -> dict[str, torch.Tensor]:
-        """Sums over the batch's real pairs: their losses, the figures, and the chosen NLL."""
+    def _score(self, model: Any, batch: Batch, split: str,
+               step_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """Sums over the batch's real pairs: the figures; and with `step_counts` (the step's
+        pairs and chosen answer tokens, all ranks) the loss to backward, these pairs' part."""
         reference = self.reference.logps(model, batch, split)
         batch = {k: v for k, v in batch.items() if k != PAIR_INDEX}
-        logps, tokens = sequence_logps(model, batch, self.cache)
         p = pairs_in(batch)
-        real = (tokens[:p] > 0).float()  # an epoch's fillers train nothing
-        terms = pair_terms(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:],
-                           None if reference is None else reference[:p], None if reference is None else reference[p:])
+        ref_chosen, ref_rejected = (None, None) if reference is None else (reference[:p], reference[p:])
+
+        def loss_of(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
+                    rejected_tokens: torch.Tensor, among: slice) -> torch.Tensor:
+            """The part of the step's loss of the pairs `among` (their log-probs given)."""
+            assert step_counts is not None
+            real = (chosen_tokens > 0).to(chosen.dtype)  # an epoch's fillers train nothing
+            chosen, rejected = _filled(chosen, real), _filled(rejected, real)
+            terms = pair_terms(self.settings, chosen, rejected, chosen_tokens, rejected_tokens,
+                               None if ref_chosen is None else ref_chosen[among],
+                               None if ref_rejected is None else ref_rejected[among])
+            part = (terms.loss * real).sum() / step_counts[0]
+            if self.orpo:  # the chosen answers' NLL, token-weighted over the step's chosen tokens
+                part = part - (chosen * real).sum() / step_counts[1]
+            return part
+
+        inputs, wanted = model_inputs(batch, cache=self.cache), loss_of if step_counts is not None else None
+        if self.chunked is not None:
+            loss, logps, tokens = forward_pairs(self.chunked, model, inputs, batch["labels"], wanted)
+        else:
+            logps, tokens = logps_of_logits(model(**inputs).logits, batch["labels"])
+            loss = loss_of(logps[:p], logps[p:], tokens[:p], tokens[p:], slice(0, p)) if wanted else None
+        real = (tokens[:p] > 0).float()
+        logps = torch.cat([_filled(logps[:p].detach(), real), _filled(logps[p:].detach(), real)])
+        terms = pair_terms(self.settings, logps[:p], logps[p:], tokens[:p], tokens[p:], ref_chosen, ref_rejected)
         figures = {
             "rewards/chosen": terms.chosen_rewards, "rewards/rejected": terms.rejected_rewards,
             "rewards/accuracies": (terms.chosen_rewards > terms.rejected_rewards).float(),
@@ -91,7 +124,7 @@ class DirectPreference(Objective):
             "logps/chosen": logps[:p].detach(), "logps/rejected": logps[p:].detach(),
         }
         sums = {name: (value * real).sum() for name, value in figures.items()}
-        return {**sums, "loss_sum": (terms.loss * real).sum(), "nll_sum": -(logps[:p] * real).sum(),
+        return {**sums, **({"loss": loss} if loss is not None else {}),
                 "per_pair_loss": terms.loss.detach(), "chosen_tokens": tokens[:p] * real,
                 "chosen_logps": logps[:p].detach(), **{f"pair:{k}": v for k, v in figures.items()}}
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.components.chunked_pairs import forward_pairs
 from runner.components.labels import model_inputs
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.preference_batch import PAIR_INDEX
@@ -32,10 +33,15 @@ TABLE_FILE = "reference_logps.pt"
 SequenceScores = tuple[torch.Tensor, torch.Tensor]  # per sequence: summed answer log-probs, answer tokens
 
 
-def sequence_logps(model: Any, batch: dict[str, Any], cache: bool = True) -> SequenceScores:
+def sequence_logps(model: Any, batch: dict[str, Any], cache: bool = True, chunked: Any = None) -> SequenceScores:
     """One forward of `model` on `batch`: each sequence's summed log-probs of its trained
-    tokens in fp32, and their count (preference_loss.sequence_logps of its logits)."""
-    return logps_of_logits(model(**model_inputs(batch, cache=cache)).logits, batch["labels"])
+    tokens in fp32, and their count (preference_loss.sequence_logps of its logits; through
+    the chunked head when one is installed: the whole logits are never held)."""
+    inputs = model_inputs(batch, cache=cache)
+    if chunked is not None:
+        _, logps, tokens = forward_pairs(chunked, model, inputs, batch["labels"])
+        return logps, tokens
+    return logps_of_logits(model(**inputs).logits, batch["labels"])
 
 
 class Reference:
@@ -48,12 +54,13 @@ class Reference:
 
 
 class AdapterOff(Reference):
-    def __init__(self, bare: Any, cache: bool) -> None:
+    def __init__(self, bare: Any, cache: bool, chunked: Any = None) -> None:
         self.bare, self.cache = bare, cache  # the PeftModel under the strategy's wrapper
+        self.chunked = chunked
 
     def logps(self, model: Any, batch: dict[str, Any], split: str) -> Optional[torch.Tensor]:
         with torch.no_grad(), self.bare.disable_adapter():
-            return sequence_logps(model, batch, self.cache)[0]
+            return sequence_logps(model, batch, self.cache, self.chunked)[0]
 
 
 class Precomputed(Reference):
@@ -68,7 +75,7 @@ class Precomputed(Reference):
 
 
 def score_pairs(model: Any, dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], batch_size: int,
-                accelerator: Any, cache: bool) -> torch.Tensor:
+                accelerator: Any, cache: bool, chunked: Any = None) -> torch.Tensor:
     """[pairs, 2]: the model's (chosen, rejected) log-probs of every pair of `dataset`, in
     eval mode with no gradient. Rank r scores pairs r, r + world, ...; every rank runs as
     many forwards (a sharded model's forward is collective), the last ones repeating a
@@ -87,7 +94,7 @@ def score_pairs(model: Any, dataset: Any, collate: Callable[[list[Any]], dict[st
                 chunk = mine[step * batch_size:(step + 1) * batch_size]
                 indices = chunk or [0]  # a rank with no pair left still runs the forward
                 batch = {k: v.to(device) for k, v in collate([dataset[i] for i in indices]).items()}
-                logps, _ = sequence_logps(model, batch, cache)
+                logps, _ = sequence_logps(model, batch, cache, chunked)
                 pairs = len(indices)
                 rows = torch.stack([batch[PAIR_INDEX].double(), logps[:pairs].double(), logps[pairs:].double()], 1)
                 if not chunk:
@@ -104,7 +111,7 @@ def score_pairs(model: Any, dataset: Any, collate: Callable[[list[Any]], dict[st
 
 def precomputed_tables(model: Any, splits: dict[str, Any], collate: Callable[[list[Any]], dict[str, Any]],
                        batch_size: int, accelerator: Any, run_dir: Path, key: str,
-                       cache: bool) -> tuple[dict[str, torch.Tensor], bool]:
+                       cache: bool, chunked: Any = None) -> tuple[dict[str, torch.Tensor], bool]:
     """The reference log-prob tables of every split: read from the run folder when it
     holds this data's (a resume: the model holds trained weights by now, or will), else
     scored now and written there by rank 0 (atomically)."""
@@ -114,7 +121,7 @@ def precomputed_tables(model: Any, splits: dict[str, Any], collate: Callable[[li
         if saved.get("key") == key and all(len(saved["tables"][s]) == len(d) for s, d in splits.items()):
             return {split: table.to(accelerator.device) for split, table in saved["tables"].items()}, False
         log.warning(f"{path} was scored for other data; scoring the reference again")
-    tables = {split: score_pairs(model, dataset, collate, batch_size, accelerator, cache)
+    tables = {split: score_pairs(model, dataset, collate, batch_size, accelerator, cache, chunked)
               for split, dataset in splits.items()}
     if accelerator.is_main_process:
         tmp = path.with_name(f".{TABLE_FILE}.{os.getpid()}.tmp")
@@ -129,9 +136,11 @@ def describe_key(cache_path: Path, model_name: Optional[str], seed: int) -> str:
     return json.dumps({"data": cache_path.name, "model": model_name, "seed": seed}, sort_keys=True)
 
 
-def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path) -> Optional[Reference]:
+def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path,
+                    chunked: Any = None) -> Optional[Reference]:
     """The run's reference (None: its objective has none), built on the prepared model
-    before any checkpoint is loaded into it: it still holds the starting weights."""
+    before any checkpoint is loaded into it: it still holds the starting weights.
+    `chunked`: the chunked head installed on the model, which scores it too."""
     from runner.components.data import collate_for
     from runner.config.spec import ObjectiveKind, ReferenceMode
     from runner.config.validate import reference_mode
@@ -140,13 +149,13 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
         return None
     mode, cache = reference_mode(spec), not spec.model.compile
     if mode is ReferenceMode.adapter_off:
-        return AdapterOff(bare, cache)
+        return AdapterOff(bare, cache, chunked)
     if mode is ReferenceMode.precomputed:
         batch = spec.train.per_device_eval_batch_size or spec.train.per_device_batch_size
         key = describe_key(data.cache_path, spec.model.name_or_path, spec.train.seed)
         tables, scored = precomputed_tables(model, {"train": data.train, "validation": data.validation},
                                             collate_for(spec.data, data.pad_id), int(batch), accelerator, run_dir,
-                                            key, cache)
+                                            key, cache, chunked)
         if scored and accelerator.is_main_process:
             log.info(f"reference: scored {sum(len(t) for t in tables.values()):,} pairs with the starting weights "
                      f"(preference.reference=precomputed), kept in {run_dir / TABLE_FILE}")

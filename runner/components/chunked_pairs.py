@@ -1,0 +1,128 @@
+"""A preference loss without the whole logits: the output head and each sequence's
+log-probs over chunks of pairs, forward and backward.
+
+A preference micro-batch of P pairs is 2P sequences (chosen rows 0..P-1, rejected rows
+P..2P-1: runner/components/preference_batch.py). Its plain loss holds the logits of all
+2P sequences, their log-softmax and, in backward, their gradient: 3 x 2P x tokens x
+vocabulary x 4 bytes (GPT-2, 4 pairs of 1,024 tokens: 4.9 GB). A preference loss is a
+sum over pairs of a term of that pair's two log-prob sums (and constants: the reference's
+log-probs, the step's pair count), so a chunk of pairs is computed whole: its two halves'
+logits, their per-token log-probs (labels.token_losses, the plain path's math), the
+pairs' part of the loss, and by autograd that part's gradient, which the head's two
+matmuls take back to the hidden states and the weight; then the chunk's logits go. No
+matmul is redone; backward only scales the gradients kept, as runner/components/
+chunked_loss.py's token loss does, and reaches every strategy the same way (through the
+output head's own call: chunked_loss.ChunkedLoss.computing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from runner.components.chunked_loss import CHUNK_LOGIT_BYTES
+from runner.components.labels import IGNORE_INDEX, token_losses
+
+# (chosen log-probs, rejected log-probs, chosen tokens, rejected tokens, which pairs) of a
+# chunk of pairs -> their part of the micro-batch's loss (a differentiable scalar).
+PairLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, slice], torch.Tensor]
+
+
+def pairs_per_chunk(vocab_size: int, tokens: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
+    """Pairs whose fp32 logits (two sequences each) fit the budget; at least one."""
+    return max(1, budget // (4 * max(vocab_size, 1) * 2 * max(tokens, 1)))
+
+
+class ChunkedPairLoss(torch.autograd.Function):
+    """(the loss of the pairs, each sequence's summed log-probs, each sequence's trained
+    tokens) of the head over `hidden` (2P x tokens x width) against unshifted `labels`
+    (2P x tokens). Only the loss is differentiable; without `pair_loss` (scoring under
+    no gradient) it is zero."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                labels: torch.Tensor, pair_loss: Optional[PairLoss],
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        wants = ctx.needs_input_grad
+        pairs = hidden.shape[0] // 2
+        logps = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if wants[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
+        any_grad = pair_loss is not None and (grad_hidden is not None or grad_weight is not None
+                                              or grad_bias is not None)
+        for start in range(0, pairs, chunk):
+            end = min(pairs, start + chunk)
+            rows = torch.cat([torch.arange(start, end), torch.arange(pairs + start, pairs + end)]).to(hidden.device)
+            h, count = hidden[rows], end - start
+            logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
+            with torch.enable_grad():
+                logits.requires_grad_(any_grad)
+                losses, _ = token_losses(logits, labels[rows])
+                sums = -losses.sum(dim=-1)
+                part = None if pair_loss is None else pair_loss(
+                    sums[:count], sums[count:], tokens[rows][:count], tokens[rows][count:], slice(start, end))
+                g = None
+                if any_grad and part is not None and part.requires_grad:
+                    (g,) = torch.autograd.grad(part, logits)
+            logps[rows] = sums.detach()
+            if part is not None:
+                total += part.detach().float()
+            del logits, losses, sums
+            if g is None:
+                continue
+            flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
+            if grad_hidden is not None:
+                grad_hidden[rows] = (g @ weight.to(g.dtype)).to(grad_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(flat_g.t().float(), flat_h.float())  # float(): a no-op in fp32
+            if grad_bias is not None:
+                grad_bias += flat_g.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else torch.empty(0),
+            grad_weight.to(weight.dtype) if grad_weight is not None else torch.empty(0),
+            grad_bias.to(bias.dtype) if grad_bias is not None else torch.empty(0),
+        )
+        ctx.mark_non_differentiable(logps, tokens)
+        return total, logps, tokens
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _logps: Any, _tokens: Any) -> tuple[Any, ...]:
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+
+        def scaled(g: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
+            return g * grad_total.to(g.dtype) if wanted and g.numel() else None
+
+        return (scaled(grad_hidden, wants[0]), scaled(grad_weight, wants[1]), scaled(grad_bias, wants[2]),
+                None, None, None)
+
+
+def chunked_pair_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      labels: torch.Tensor, pair_loss: Optional[PairLoss],
+                      chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ChunkedPairLoss; `chunk` pairs at a time (default: what CHUNK_LOGIT_BYTES holds)."""
+    chunk = chunk or pairs_per_chunk(weight.shape[0], labels.shape[1])
+    return ChunkedPairLoss.apply(hidden, weight, bias, labels, pair_loss, chunk)
+
+
+def forward_pairs(chunked: Any, model: Any, inputs: dict[str, Any], labels: torch.Tensor,
+                  pair_loss: Optional[PairLoss] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward of `model` on a micro-batch of pairs through the chunked head
+    (`chunked`, runner/components/chunked_loss.ChunkedLoss): (the pairs' loss as the model
+    returned it, each sequence's summed log-probs, each sequence's trained tokens)."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if hidden.shape[:-1] != labels.shape:
+            raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
+                               f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
+        total, kept["logps"], kept["tokens"] = chunked_pair_loss(hidden, weight, bias, labels, pair_loss)
+        return total
+
+    loss = chunked.computing(model, inputs, compute)
+    return loss, kept["logps"], kept["tokens"]
