@@ -35,6 +35,7 @@ PAIR_FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 
 class DirectPreference(Objective):
     figures = ("eval_loss", *PAIR_FIGURES)
+    summarised = ("eval_loss", "rewards/accuracies", "rewards/margins")
     chunked_head = False  # per-sequence log-probs come from the whole logits (the chunked head sums all tokens)
 
     def __init__(self, setup: ObjectiveSetup) -> None:
