@@ -77,6 +77,16 @@ def as_chat(record: dict, system: bool) -> dict:
             "rejected": [{"role": "assistant", "content": record["rejected"]}]}
 
 
+def ultrafeedback_layout(record: dict, system: bool) -> dict:
+    """The record as HuggingFaceH4/ultrafeedback_binarized holds one: the prompt as text
+    (the user's last turn), `chosen` and `rejected` whole conversations that repeat the
+    prompt's turns, and its other columns."""
+    chat = as_chat(record, system)
+    return {"prompt": chat["prompt"][-1]["content"], "prompt_id": f"{len(record['prompt']):064x}",
+            "chosen": chat["prompt"] + chat["chosen"], "rejected": chat["prompt"] + chat["rejected"],
+            "messages": chat["prompt"] + chat["chosen"], "score_chosen": 8.0, "score_rejected": 5.0}
+
+
 def trl_prepared(tokenizer, records: list[dict], template: str | None = None) -> list[dict]:
     """TRL's own preprocessing of the records: DPOTrainer._prepare_dataset (extract prompt,
     add EOS, tokenize_fn, its prompt/completion boundary) with the template set as the
@@ -151,6 +161,28 @@ def test_chat_records_are_trls_ids_through_the_same_template(request, plain, fam
 
 
 @pytest.mark.parametrize("family", ["gpt2", "metaspace"])
+def test_conversations_that_repeat_the_prompt_are_split_as_trls_maybe_extract_prompt(request, plain, family):
+    """ultrafeedback_binarized's layout (the prompt as text beside conversations that repeat
+    its turns, with a system turn and an earlier exchange in every third): the shared turns
+    are the prompt, as TRL's maybe_extract_prompt splits them, and the rows are TRL's on the
+    split records, and runner's on the same pairs given with the prompt as messages."""
+    from trl.data_utils import maybe_extract_prompt
+
+    tokenizer = request.getfixturevalue(family)
+    pairs = pref_records(60) + edge_records("")
+    records = [ultrafeedback_layout(r, system=i % 3 == 0) for i, r in enumerate(pairs)]
+    ours = [preference_record_row(r, i, NAMES, tokenizer, plain, WHERE) for i, r in enumerate(records)]
+    extracted = [maybe_extract_prompt({key: r[key] for key in ("prompt", "chosen", "rejected")}) for r in records]
+    assert all(len(e["chosen"]) == len(e["rejected"]) == 1 for e in extracted)  # TRL's split: the answers' turn
+    assert runner_rows(ours) == trl_rows(trl_prepared(tokenizer, extracted, plain))
+    explicit = [preference_record_row(as_chat(r, system=i % 3 == 0), i, NAMES, tokenizer, plain, WHERE)
+                for i, r in enumerate(pairs)]
+    assert ours == explicit
+    same = {**records[0], "rejected": records[0]["chosen"]}  # one conversation twice: its last turn is the answer
+    assert preference_record_row(same, 0, NAMES, tokenizer, plain, WHERE)["same"] is True
+
+
+@pytest.mark.parametrize("family", ["gpt2", "metaspace"])
 def test_the_vendored_pairs_train_their_answers_only(request, family):
     """austen_pref.jsonl.gz's prompts end on a token boundary (one newline): TRL's loss
     starts right after the prompt's own ids, with no prompt token trained; no pair is
@@ -221,7 +253,13 @@ def test_the_records_own_field_names_are_read(gpt2):
       "rejected": [{"role": "assistant", "content": "b"}]},
      "train_file=pairs.jsonl: record 7's 'prompt', 'chosen', 'rejected' must all be text, or all lists of {role, "
      "content} messages (the prompt's conversation, then each answer's assistant turns)."),
-], ids=["missing", "empty-text", "empty-messages", "wrong-kind", "mixed-kinds", "message-without-content"])
+    ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]},
+     "train_file=pairs.jsonl: record 7's 'prompt' is text and its 'chosen' and 'rejected' conversations start with "
+     "no turn in common to be the prompt: give the prompt as messages (then each answer its assistant turns), or "
+     "start both conversations with the prompt's turns."),
+], ids=["missing", "empty-text", "empty-messages", "wrong-kind", "mixed-kinds", "message-without-content",
+        "text-prompt-no-shared-turn"])
 def test_a_bad_record_is_refused_in_one_line_naming_it(gpt2, plain, record, message):
     with pytest.raises(UserError) as refused:
         preference_record_row(record, 7, NAMES, gpt2, plain, WHERE)
