@@ -302,3 +302,70 @@ def test_an_answer_longer_than_the_block_keeps_its_start_after_the_prompts_last_
     assert gpt2.decode(fitted["chosen_input_ids"]) == ": one two three four"
     assert (fitted["rejected_input_ids"], fitted["rejected_labels"]) == (row["rejected_input_ids"],
                                                                          row["rejected_labels"])
+
+
+# ---------------------------------------------------------------- recipe=qwen_dpo_lora's data, offline
+ULTRAFEEDBACK_SPLITS = ("train_prefs", "train_sft", "test_prefs", "test_sft", "train_gen", "test_gen")
+
+
+@pytest.fixture
+def ultrafeedback_copy(tmp_path, monkeypatch):
+    """A local stand-in for HuggingFaceH4/ultrafeedback_binarized (the hub is offline): its
+    six splits as .jsonl files of its layout, 24 pairs in train_prefs and 6 in test_prefs,
+    read by runner's load_raw through datasets' json builder in place of the hub."""
+    import runner.components.data as data_module
+    from datasets import load_dataset
+
+    pairs = pref_records(30)
+    files = {}
+    for split in ULTRAFEEDBACK_SPLITS:
+        chosen = pairs[24:] if split.startswith("test") else pairs[:24]
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(ultrafeedback_layout(r, system=False)) + "\n" for r in chosen))
+
+    def from_hub(name, config=None):
+        assert (name, config) == ("HuggingFaceH4/ultrafeedback_binarized", None)
+        return load_dataset("json", data_files={split: str(path) for split, path in files.items()})
+
+    monkeypatch.setattr(data_module, "load_dataset", from_hub)
+    return pairs
+
+
+def test_the_dpo_lora_recipe_reads_ultrafeedbacks_layout(compose_spec, ultrafeedback_copy, gpt2, plain):
+    """recipe=qwen_dpo_lora's data settings: train_prefs trained, test_prefs evaluated (not
+    held out of train), each pair's prompt the shared user turn and its answers the
+    assistant's turns: the rows of the same pairs given as prompt messages and answers.
+    GPT-2's tokenizer and runner's plain template stand in for Qwen's (offline)."""
+    import dataclasses
+
+    from runner.components.data import load_raw, preference_rows
+
+    spec = compose_spec("recipe=qwen_dpo_lora")
+    data = dataclasses.replace(spec.data, chat_template=plain)
+    raw = load_raw(data)
+    assert (len(raw["train"]), len(raw["validation"])) == (24, 6)
+    rows, counts = preference_rows(raw, data, gpt2, spec.data.block_size, plain)
+    assert (counts["train"]["pairs"], counts["validation"]["pairs"]) == (24, 6)
+    expected = [preference_record_row(as_chat(r, system=False), i, NAMES, gpt2, plain, WHERE)
+                for i, r in enumerate(ultrafeedback_copy)]
+    got = list(rows["train"]) + list(rows["validation"])
+    for row, want in zip(got, expected):
+        for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+            assert row[key] == want[key]
+    answer = [i for i in got[0]["chosen_labels"] if i != IGNORE_INDEX]
+    assert gpt2.decode(answer).strip() == ultrafeedback_copy[0]["chosen"].strip()
+
+
+def test_a_split_the_hub_dataset_lacks_is_refused_naming_those_it_has(compose_spec, ultrafeedback_copy):
+    import dataclasses
+
+    from runner.components.data import load_raw
+
+    data = compose_spec("recipe=qwen_dpo_lora").data
+    with pytest.raises(UserError) as refused:
+        load_raw(dataclasses.replace(data, train_split="train"))
+    assert str(refused.value) == (
+        "HuggingFaceH4/ultrafeedback_binarized has no split 'train' (data.train_split); its splits: "
+        f"{', '.join(ULTRAFEEDBACK_SPLITS)}. Set data.train_split to one of them.")
+    held = load_raw(dataclasses.replace(data, validation_split=None))  # no `validation` split: 5% of train held out
+    assert (len(held["train"]), len(held["validation"])) == (23, 1)
