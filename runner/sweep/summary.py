@@ -65,15 +65,15 @@ def _overrides(job_dir: Path) -> list[str]:
 
 
 def job_objective(job_dir: Path) -> Optional[ObjectiveKind]:
-    """The job's train.objective: its frozen run_spec.yaml's, else the config Hydra
-    composed for it (.hydra/config.yaml, there for a job refused before its spec was
-    written); None when neither says."""
+    """The job's train.objective: its frozen run_spec.yaml's, else what its job_status.json
+    recorded (a job refused before its spec was written); None when neither says."""
     import yaml
 
-    for path in (job_dir / "run_spec.yaml", job_dir / ".hydra" / "config.yaml"):
+    readers = ((job_dir / "run_spec.yaml", lambda text: (yaml.safe_load(text) or {}).get("train", {}).get("objective")),
+               (job_dir / JOB_STATUS, lambda text: json.loads(text).get("objective")))
+    for path, read in readers:
         try:
-            value = (yaml.safe_load(path.read_text()) or {}).get("train", {}).get("objective")
-            return ObjectiveKind(value)
+            return ObjectiveKind(read(path.read_text()))
         except (OSError, ValueError, AttributeError, yaml.YAMLError):
             continue
     return None

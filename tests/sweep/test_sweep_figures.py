@@ -7,6 +7,8 @@ import yaml
 
 from runner.components.objectives import OBJECTIVES
 from runner.config.spec import DataFormat, DataSpec, ObjectiveKind, RunSpec, TrainSpec, save_spec
+from runner.sweep.job import run_sweep_job
+from runner.sweep.status import write_job_status
 from runner.sweep.summary import summarize
 
 # What a text sweep's summary.csv and table held before objectives chose the columns.
@@ -19,20 +21,18 @@ DPO_FIGURES = ["eval_loss", "rewards/accuracies", "rewards/margins"]
 
 
 def make_job(sweep_dir, num, overrides, objective=None, results=None, status="ok", spec=True):
-    """A job folder as a sweep leaves it: job_status.json, Hydra's composed config and
-    overrides, and, for a job that started, its run_spec.yaml and all_results.json."""
+    """A job folder as a sweep leaves it (runner/sweep/job.py): job_status.json with the
+    objective as composed, and, for a job that got past validation, run_spec.yaml and
+    .hydra/; all_results.json for one that finished. objective None: an older sweep's
+    folder, whose job_status.json has no objective."""
     job = sweep_dir / f"{num}_abc{num}"
-    (job / ".hydra").mkdir(parents=True)
-    (job / "job_status.json").write_text(json.dumps({"status": status, "wall_s": 5.0, "overrides": overrides,
-                                                     "reason": None if status == "ok" else "refused"}))
-    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    if objective is not None:
+    write_job_status(job, status, 5.0, overrides, None if status == "ok" else "refused", objective)
+    if objective is not None and spec:
         kind = ObjectiveKind(objective)
         data = DataSpec(format=DataFormat.preference if kind is ObjectiveKind.dpo else DataFormat.text)
-        run_spec = RunSpec(train=TrainSpec(objective=kind), data=data)
-        save_spec(run_spec, job / ".hydra" / "config.yaml")  # Hydra writes the composed config first
-        if spec:
-            save_spec(run_spec, job / "run_spec.yaml")
+        save_spec(RunSpec(train=TrainSpec(objective=kind), data=data), job / "run_spec.yaml")
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     if results is not None:
         (job / "all_results.json").write_text(json.dumps({"train_loss": 0.69, "peak_memory_mb": 900.0,
                                                           "train_tokens_per_second": 1234.0, **results}))
@@ -96,8 +96,25 @@ def test_a_text_sweep_summary_is_as_before(tmp_path, capsys):
     assert table_lines(capsys.readouterr().out)[0] == TEXT_HEADER
 
 
+def test_a_refused_job_records_its_composed_objective(tmp_path):
+    """A job refused before its run_spec.yaml was written (runner/sweep/job.py) says in
+    job_status.json which objective it was composed with."""
+    from omegaconf import OmegaConf
+
+    from runner.config.errors import UserError
+
+    def refused():
+        raise UserError("preference.beta=0 must be > 0.")
+
+    composed = OmegaConf.structured(RunSpec(train=TrainSpec(objective=ObjectiveKind.dpo)))
+    run_sweep_job(refused, tmp_path / "0_abc0", tmp_path, 0, ["preference.beta=0"], composed, True)
+    status = json.loads((tmp_path / "0_abc0" / "job_status.json").read_text())
+    assert (status["status"], status["objective"]) == ("failed", "dpo")
+    assert not (tmp_path / "0_abc0" / "run_spec.yaml").exists()
+
+
 def test_jobs_refused_before_their_spec_still_say_their_objective(tmp_path):
-    """No job wrote run_spec.yaml: Hydra's composed config says dpo, so no perplexity column."""
+    """No job wrote run_spec.yaml: their job_status.json says dpo, so no perplexity column."""
     make_job(tmp_path, 0, ["recipe=gpt2_dpo_tiny", "preference.beta=0"], "dpo", status="failed", spec=False)
     make_job(tmp_path, 1, ["recipe=gpt2_dpo_tiny", "preference.beta=-1"], "dpo", status="failed", spec=False)
     summarize(tmp_path)
