@@ -120,13 +120,35 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
             parts["validation_file"] = _file_sha256(os.path.expanduser(data.validation_file))
     else:
         parts["dataset"] = [data.dataset_name, data.dataset_config_name]
+        if (data.train_split, data.validation_split) != (DataSpec.train_split, DataSpec.validation_split):
+            parts["splits"] = [data.train_split, data.validation_split]  # the defaults keep their old keys
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_splits(data: DataSpec, splits: list[str]) -> None:
+    """data.train_split and data.validation_split are among a hub dataset's `splits`, else
+    refused, naming those it has."""
+    missing = {key: name for key, name in (("train_split", data.train_split), ("validation_split", data.validation_split))
+               if name is not None and name not in splits}
+    if missing:
+        named = " or ".join(f"'{name}' (data.{key})" for key, name in missing.items())
+        raise UserError(f"{data.dataset_name} has no split {named}; its splits: {', '.join(splits)}. Set "
+                        f"{' and '.join(f'data.{key}' for key in missing)} to one of them.")
+
+
+def hub_splits(raw: "DatasetDict", data: DataSpec) -> "DatasetDict":
+    """A hub dataset's data.train_split and data.validation_split as `train` and
+    `validation` (no validation_split: its `validation` split if it has one, else none,
+    for the caller to hold out)."""
+    check_splits(data, list(raw))
+    validation = data.validation_split or ("validation" if "validation" in raw else None)
+    return DatasetDict({"train": raw[data.train_split], **({"validation": raw[validation]} if validation else {})})
 
 
 def load_raw(data: DataSpec) -> "DatasetDict":
     """Raw text rows with `train` and `validation` splits, as run_clm builds them."""
     if data.dataset_name:
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        raw = hub_splits(load_dataset(data.dataset_name, data.dataset_config_name), data)
     else:
         files = {"train": os.path.expanduser(str(data.train_file))}
         if data.validation_file:

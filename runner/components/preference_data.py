@@ -13,6 +13,11 @@ trl/data_utils.py `_tokenize` and `common_prefix_length`), followed here one for
   conversations. No EOS is appended: an answer ends with what the template writes after
   an assistant turn (Qwen's <|im_end|>; runner's plain template writes a blank line and
   no EOS, so with it a chat answer teaches no stop).
+- Chat answers that repeat the prompt's turns, beside the prompt as text
+  (HuggingFaceH4/ultrafeedback_binarized: `prompt` a string, `chosen` and `rejected`
+  each [user, assistant]): the prompt is the turns the two conversations share at their
+  start, each answer the turns after (each keeps at least its last), as TRL's
+  `maybe_extract_prompt` takes them (trl/data_utils.py); the prompt's text is not read.
 - Each row is the whole prompt + answer tokenization (joint, not the pieces' ids
   joined), and its loss starts at the prompt's length in tokens, cut back to where the
   prompt's ids and each of the two whole texts' ids first differ (the smaller of the
@@ -32,7 +37,7 @@ there, when TRL's boundary is 0, trains nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from runner.components.labels import IGNORE_INDEX
 
@@ -44,8 +49,8 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    """How many leading ids the two have in common (TRL's common_prefix_length)."""
+def _common_prefix(ids: Sequence[Any], other: Sequence[Any]) -> int:
+    """How many leading ids (or messages) the two have in common (TRL's common_prefix_length)."""
     length = 0
     for token, other_token in zip(ids, other):
         if token != other_token:
@@ -71,6 +76,17 @@ def _values(record: dict[str, Any], index: int, names: dict[str, str], where: st
                             f"pair needs a prompt and two answers. Set data.{setting} to the field that holds it, or "
                             "fix or remove the record.")
         values.append(value)
+    prompt, chosen, rejected = values
+    if isinstance(prompt, str) and _is_messages(chosen) and _is_messages(rejected):
+        # The conversations repeat the prompt's turns (the text beside them is not read):
+        # the turns both start with are the prompt, each answer keeps at least its last.
+        shared = min(_common_prefix(chosen, rejected), min(len(chosen), len(rejected)) - 1)
+        if not shared:
+            raise UserError(f"{where}: record {index}'s '{names['prompt_field']}' is text and its "
+                            f"'{names['chosen_field']}' and '{names['rejected_field']}' conversations start with no "
+                            "turn in common to be the prompt: give the prompt as messages (then each answer its "
+                            "assistant turns), or start both conversations with the prompt's turns.")
+        values = [chosen[:shared], chosen[shared:], rejected[shared:]]
     fields = ", ".join(f"'{names[s]}'" for s in SETTINGS)
     if not (all(isinstance(v, str) for v in values) or all(_is_messages(v) for v in values)):
         raise UserError(f"{where}: record {index}'s {fields} must all be text, or all lists of {{role, content}} "

@@ -35,7 +35,7 @@ from datasets import Dataset, IterableDataset, load_dataset
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from runner.components.data import epoch_order_seed, group_texts, text_column_of
+from runner.components.data import check_splits, epoch_order_seed, group_texts, text_column_of
 from runner.components.data_checks import check_file
 from runner.config.errors import UserError
 from runner.config.spec import DataSpec
@@ -162,8 +162,9 @@ def sources(data: DataSpec) -> tuple[Source, Optional[Source]]:
         from datasets import get_dataset_split_names
 
         splits = get_dataset_split_names(data.dataset_name, data.dataset_config_name)
-        validation = next((s for s in ("validation", "valid", "test") if s in splits), None)
-        train = Source([], dataset=(data.dataset_name, data.dataset_config_name, "train"))
+        check_splits(data, list(splits))
+        validation = data.validation_split or next((s for s in ("validation", "valid", "test") if s in splits), None)
+        train = Source([], dataset=(data.dataset_name, data.dataset_config_name, data.train_split))
         held = Source([], dataset=(data.dataset_name, data.dataset_config_name, validation)) if validation else None
         return train, held
     files = expand_files(str(data.train_file), "data.train_file")

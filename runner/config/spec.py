@@ -173,6 +173,11 @@ class DataSpec:
     """A hub dataset (`wikitext`). Set either this or `train_file`."""
     dataset_config_name: Optional[str] = None
     """The hub dataset's configuration (`wikitext-2-raw-v1`)."""
+    train_split: str = "train"
+    """The hub dataset's split to train on (HuggingFaceH4/ultrafeedback_binarized: `train_prefs`)."""
+    validation_split: Optional[str] = None
+    """The hub dataset's split to evaluate on (`test_prefs`). null: its `validation` split
+    if it has one, else `validation_split_percentage` of the training split held out."""
     train_file: Optional[str] = None
     """A local .txt, .json, .jsonl or .csv file, optionally gzipped (.gz). With
     data.streaming=true also .parquet, other compressions, and globs."""

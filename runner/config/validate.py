@@ -79,6 +79,12 @@ def check_data_source(spec: RunSpec) -> list[str]:
     if d.dataset_config_name and not d.dataset_name:
         problems.append(f"data.dataset_config_name={d.dataset_config_name} is a hub dataset's configuration, but "
                         "data.dataset_name is not set: set data.dataset_name=NAME or data.dataset_config_name=null.")
+    defaults = DataSpec()
+    for key, value in (("train_split", d.train_split), ("validation_split", d.validation_split)):
+        if not d.dataset_name and value != getattr(defaults, key):
+            problems.append(f"data.{key}={value} names a hub dataset's split, but data.dataset_name is not set: "
+                            "data.train_file is the training data, and data.validation_file (else "
+                            f"data.validation_split_percentage of it) the validation data. Remove data.{key}.")
     if d.text_column is not None and any(str(f).endswith((".txt", ".txt.gz")) for f in (d.train_file, d.validation_file) if f):
         problems.append(f"data.text_column={d.text_column}: a .txt file has one column, `text`; data.text_column "
                         "is for .json/.jsonl/.csv files. Set data.text_column=null.")

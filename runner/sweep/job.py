@@ -12,6 +12,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.distributed.world import world_size
@@ -26,6 +29,7 @@ def run_sweep_job(make_spec: Callable[[], RunSpec], job_dir: Path, sweep_dir: Pa
     """Run one sweep job; a failure is recorded in its folder and does not end the sweep."""
     started = time.perf_counter()
     action = None
+    objective = composed_objective(composed)
     try:
         spec = make_spec()
         action = plan_sweep_job(spec, job_dir, sweep_dir, num)
@@ -39,7 +43,7 @@ def run_sweep_job(make_spec: Callable[[], RunSpec], job_dir: Path, sweep_dir: Pa
         # The job ended itself (a non-finite loss: TrainingStopped): recorded, and the next job runs.
         reason = getattr(stop, "reason", None) or f"the job exited with code {stop.code}"
         sys.stderr.write(f"runner: job {num} failed: {reason}\n")
-        write_job_status(job_dir, "failed", time.perf_counter() - started, overrides, reason)
+        write_job_status(job_dir, "failed", time.perf_counter() - started, overrides, reason, objective)
         return
     except Exception as err:  # UserError, RunFailed, or a crash: recorded, and the next job runs
         reason = "; ".join(err.problems) if isinstance(err, UserError) else f"{type(err).__name__}: {err}".splitlines()[0]
@@ -49,11 +53,22 @@ def run_sweep_job(make_spec: Callable[[], RunSpec], job_dir: Path, sweep_dir: Pa
             # were, to be continued once the spec is put back.
             write_record(sweep_dir, job_dir, num, action, "refused", reason)
             return
-        write_job_status(job_dir, "failed", time.perf_counter() - started, overrides, reason)
+        write_job_status(job_dir, "failed", time.perf_counter() - started, overrides, reason, objective)
         if not isinstance(err, (UserError, RunFailed)):
             traceback.print_exc()
         return
-    write_job_status(job_dir, "ok", time.perf_counter() - started, overrides)
+    write_job_status(job_dir, "ok", time.perf_counter() - started, overrides, objective=objective)
+
+
+def composed_objective(composed: Any) -> Optional[str]:
+    """train.objective as Hydra composed the job (None: not readable there)."""
+    if not OmegaConf.is_config(composed):
+        return None
+    try:
+        value = OmegaConf.select(composed, "train.objective")
+    except OmegaConfBaseException:  # an interpolation that does not resolve: no objective to report
+        return None
+    return None if value is None else str(getattr(value, "value", value))
 
 
 def plan_sweep_job(spec: Any, job_dir: Path, sweep_dir: Path, num: int) -> Optional["Action"]:

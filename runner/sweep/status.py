@@ -9,9 +9,14 @@ from typing import Optional
 JOB_STATUS = "job_status.json"
 
 
-def write_job_status(job_dir: Path, status: str, wall_s: float, overrides: list[str], reason: Optional[str] = None) -> None:
+def write_job_status(job_dir: Path, status: str, wall_s: float, overrides: list[str], reason: Optional[str] = None,
+                     objective: Optional[str] = None) -> None:
+    """`objective`: the job's train.objective as composed, when known: a job refused before
+    its run_spec.yaml was written still says which figures its summary row has."""
     job_dir.mkdir(parents=True, exist_ok=True)
     record = {"status": status, "wall_s": round(wall_s, 2), "overrides": overrides, "reason": reason}
+    if objective is not None:
+        record["objective"] = objective
     (job_dir / JOB_STATUS).write_text(json.dumps(record, indent=2) + "\n")
 
 

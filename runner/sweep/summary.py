@@ -7,7 +7,9 @@ with `runner-report SWEEP_DIR`, the sweep folder gets summary.csv, summary.md an
 loss_curves.png, and the table is printed. The `run` column says what this
 invocation did with each job: new, kept, resumed or re-run (runner/sweep/resume.py).
 Its parity columns (each job's per-step loss and gradient norm against a baseline
-job) come from runner/sweep/parity.py.
+job) come from runner/sweep/parity.py. Its evaluation columns are the figures the jobs'
+objectives (train.objective) say a summary shows (`Objective.summarised`: eval_loss and
+perplexity for the causal LM, eval_loss and rewards/* for DPO).
 """
 
 from __future__ import annotations
@@ -16,20 +18,24 @@ import argparse
 import csv
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from runner.components.objectives import summarised_figures
 from runner.config.errors import UserError, exit_with
+from runner.config.spec import ObjectiveKind, TrainSpec
 from runner.report.plots import read_metrics
 from runner.sweep.parity import PARITY_COLUMNS, Job, JobParity, baseline_setting, sweep_parity
 from runner.sweep.resume import begin_sweep, continue_command, read_records
 from runner.sweep.status import JOB_STATUS
 from runner.train.signals import hold_signals
 
-COLUMNS = ("job", "overrides", "status", "run", "train_loss", "eval_loss", "perplexity", "tokens_per_s", "peak_memory_mb", "wall_s", "goodput", "reason")
+# summary.csv's columns: these, the jobs' evaluation figures between them (figure_names), then parity's.
+COLUMNS_BEFORE = ("job", "overrides", "status", "run", "train_loss")
+COLUMNS_AFTER = ("tokens_per_s", "peak_memory_mb", "wall_s", "goodput", "reason")
 
 
 @dataclass
@@ -38,8 +44,9 @@ class JobRow:
     overrides: str
     status: str
     train_loss: Optional[float] = None
-    eval_loss: Optional[float] = None
-    perplexity: Optional[float] = None
+    # The evaluation figures the sweep's objectives summarise, by name (all_results.json's):
+    # eval_loss and perplexity for the causal LM; eval_loss and rewards/* for DPO.
+    figures: dict[str, Optional[float]] = field(default_factory=dict)
     tokens_per_s: Optional[float] = None
     peak_memory_mb: Optional[float] = None
     wall_s: Optional[float] = None
@@ -57,6 +64,28 @@ def _overrides(job_dir: Path) -> list[str]:
     return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
 
 
+def job_objective(job_dir: Path) -> Optional[ObjectiveKind]:
+    """The job's train.objective: its frozen run_spec.yaml's, else what its job_status.json
+    recorded (a job refused before its spec was written); None when neither says."""
+    import yaml
+
+    readers = ((job_dir / "run_spec.yaml", lambda text: (yaml.safe_load(text) or {}).get("train", {}).get("objective")),
+               (job_dir / JOB_STATUS, lambda text: json.loads(text).get("objective")))
+    for path, read in readers:
+        try:
+            return ObjectiveKind(read(path.read_text()))
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue
+    return None
+
+
+def figure_names(objectives: list[Optional[ObjectiveKind]]) -> list[str]:
+    """The evaluation columns: each objective's summarised figures, in the jobs' order,
+    once each; the default objective's when no job says which it ran."""
+    known = [kind for kind in objectives if kind is not None] or [TrainSpec().objective]
+    return list(dict.fromkeys(name for kind in known for name in summarised_figures(kind)))
+
+
 def collect(sweep_dir: Path) -> list[JobRow]:
     rows = []
     records = read_records(sweep_dir)
@@ -64,7 +93,9 @@ def collect(sweep_dir: Path) -> list[JobRow]:
         (p / JOB_STATUS).exists() or (p / "all_results.json").exists() or p.name in records)]
     # In job-list order; folders this invocation did not visit (an earlier sweep's) last.
     order = {name: int(r.get("num", 0)) for name, r in records.items()}
-    for job_dir in sorted(jobs, key=lambda p: (p.name not in order, order.get(p.name, 0), len(p.name), p.name)):
+    jobs = sorted(jobs, key=lambda p: (p.name not in order, order.get(p.name, 0), len(p.name), p.name))
+    names = figure_names([job_objective(job_dir) for job_dir in jobs])
+    for job_dir in jobs:
         status = json.loads((job_dir / JOB_STATUS).read_text()) if (job_dir / JOB_STATUS).exists() else {}
         record = records.get(job_dir.name, {})
         results = json.loads((job_dir / "all_results.json").read_text()) if (job_dir / "all_results.json").exists() else {}
@@ -74,8 +105,7 @@ def collect(sweep_dir: Path) -> list[JobRow]:
             overrides=" ".join(o for o in status.get("overrides") or _overrides(job_dir) if not o.startswith(("resume=", "overwrite="))),
             status=record.get("status") or status.get("status", "ok" if results else "unknown"),
             train_loss=results.get("train_loss"),
-            eval_loss=results.get("eval_loss"),
-            perplexity=results.get("perplexity"),
+            figures={name: results.get(name) for name in names},  # none where the job's objective has none
             tokens_per_s=results.get("train_tokens_per_second"),
             peak_memory_mb=results.get("peak_memory_mb"),
             wall_s=status.get("wall_s"),
@@ -106,16 +136,23 @@ def _parity_cells(p: JobParity) -> list[str]:
     return [_cell(p.max_abs_dloss), "-" if p.max_grad_norm_rel_diff is None else f"{p.max_grad_norm_rel_diff:.3%}", verdict]
 
 
+def _figure_columns(rows: list[JobRow]) -> list[str]:
+    """The rows' figure names, in order, once each (collect gives every row the same);
+    the default objective's for rows that hold none."""
+    return list(dict.fromkeys(name for r in rows for name in r.figures)) or figure_names([])
+
+
 def table(rows: list[JobRow], parity: Optional[dict[str, JobParity]] = None) -> str:
     labels = _varying(rows)
     parity = parity or {}
-    header = ["job", "overrides", "status", "run", "train loss", "eval loss", "perplexity", "tokens/s", "peak MB", "wall s",
-              "goodput", "max abs Δloss", "max grad-norm rel diff", "parity"]
+    figures = _figure_columns(rows)
+    header = ["job", "overrides", "status", "run", "train loss", *(name.replace("_", " ") for name in figures),
+              "tokens/s", "peak MB", "wall s", "goodput", "max abs Δloss", "max grad-norm rel diff", "parity"]
     body = [
         [r.job, labels[r.job], r.status if r.status == "ok" else f"{r.status}: {r.reason}",
          # A finished job that ran again says why it was not kept.
          f"{r.run}: {r.reason}" if r.status == "ok" and r.reason else _cell(r.run), _cell(r.train_loss),
-         _cell(r.eval_loss), _cell(r.perplexity), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
+         *(_cell(r.figures.get(name)) for name in figures), _cell(r.tokens_per_s), _cell(r.peak_memory_mb), _cell(r.wall_s),
          "-" if r.goodput is None else f"{r.goodput:.1%}", *_parity_cells(parity.get(r.job, JobParity()))]
         for r in rows
     ]
@@ -152,11 +189,13 @@ def summarize(sweep_dir: Path, parity_baseline: Optional[str] = None) -> list[Jo
     rows = collect(sweep_dir)
     jobs = [Job(r.job, r.overrides, r.status == "ok") for r in rows]
     parity, notes = sweep_parity(sweep_dir, jobs, parity_baseline if parity_baseline is not None else baseline_setting(sweep_dir, jobs))
+    figures = _figure_columns(rows)
     with (sweep_dir / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS + PARITY_COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=[*COLUMNS_BEFORE, *figures, *COLUMNS_AFTER, *PARITY_COLUMNS])
         writer.writeheader()
         for r in rows:
-            writer.writerow({**asdict(r), **asdict(parity.get(r.job, JobParity()))})
+            fields = {k: v for k, v in asdict(r).items() if k != "figures"}
+            writer.writerow({**fields, **r.figures, **asdict(parity.get(r.job, JobParity()))})
     text = table(rows, parity) + "".join(f"\n\n{note}" for note in notes)
     (sweep_dir / "summary.md").write_text(f"# Sweep {sweep_dir.name}\n\n{text}\n\n![loss curves](loss_curves.png)\n")
     plot(rows, sweep_dir, sweep_dir / "loss_curves.png")

@@ -257,3 +257,36 @@ def test_the_padding_token_is_in_the_instruction_key(tmp_path):
     spec = DataSpec(train_file=str(train), format=DataFormat.prompt_completion)
     padded = AutoTokenizer.from_pretrained(tmp_path / "base", pad_token="<|im_end|>")
     assert cache_key(spec, base, 64) != cache_key(spec, padded, 64)
+
+
+def test_a_hub_datasets_splits_are_in_the_cache_key_only_when_named(tokenizer):
+    """data.train_split / validation_split pick other rows, so another cache entry; the
+    defaults keep the key a hub dataset had before they existed."""
+    import hashlib
+
+    from runner.components.data import PIPELINE_VERSION, tokenizer_fingerprint
+
+    hub = DataSpec(dataset_name="HuggingFaceH4/ultrafeedback_binarized")
+    keys = {splits: cache_key(DataSpec(dataset_name=hub.dataset_name, train_split=splits[0], validation_split=splits[1]),
+                              tokenizer, 8)
+            for splits in (("train", None), ("train_prefs", "test_prefs"), ("train_prefs", None), ("train", "test"))}
+    assert len(set(keys.values())) == 4 and keys[("train", None)] == cache_key(hub, tokenizer, 8)
+    parts = {"pipeline": PIPELINE_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer), "block_size": 8,
+             "text_column": None, "keep_linebreaks": True, "validation_split_percentage": 5,
+             "preprocessing_num_workers": 1, "dataset": [hub.dataset_name, None]}
+    assert keys[("train", None)] == hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_a_stream_reads_the_named_splits(monkeypatch):
+    import datasets
+
+    from runner.components.stream import sources
+    from runner.config.errors import UserError
+
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name, config: ["train_prefs", "test_prefs", "test"])
+    named = DataSpec(dataset_name="uf", train_split="train_prefs", validation_split="test_prefs", streaming=True)
+    train, held = sources(named)
+    assert (train.dataset, held.dataset) == (("uf", None, "train_prefs"), ("uf", None, "test_prefs"))
+    assert sources(DataSpec(dataset_name="uf", train_split="train_prefs"))[1].dataset == ("uf", None, "test")
+    with pytest.raises(UserError, match=r"uf has no split 'train' \(data.train_split\); its splits: train_prefs"):
+        sources(DataSpec(dataset_name="uf"))

@@ -77,6 +77,16 @@ def as_chat(record: dict, system: bool) -> dict:
             "rejected": [{"role": "assistant", "content": record["rejected"]}]}
 
 
+def ultrafeedback_layout(record: dict, system: bool) -> dict:
+    """The record as HuggingFaceH4/ultrafeedback_binarized holds one: the prompt as text
+    (the user's last turn), `chosen` and `rejected` whole conversations that repeat the
+    prompt's turns, and its other columns."""
+    chat = as_chat(record, system)
+    return {"prompt": chat["prompt"][-1]["content"], "prompt_id": f"{len(record['prompt']):064x}",
+            "chosen": chat["prompt"] + chat["chosen"], "rejected": chat["prompt"] + chat["rejected"],
+            "messages": chat["prompt"] + chat["chosen"], "score_chosen": 8.0, "score_rejected": 5.0}
+
+
 def trl_prepared(tokenizer, records: list[dict], template: str | None = None) -> list[dict]:
     """TRL's own preprocessing of the records: DPOTrainer._prepare_dataset (extract prompt,
     add EOS, tokenize_fn, its prompt/completion boundary) with the template set as the
@@ -151,6 +161,28 @@ def test_chat_records_are_trls_ids_through_the_same_template(request, plain, fam
 
 
 @pytest.mark.parametrize("family", ["gpt2", "metaspace"])
+def test_conversations_that_repeat_the_prompt_are_split_as_trls_maybe_extract_prompt(request, plain, family):
+    """ultrafeedback_binarized's layout (the prompt as text beside conversations that repeat
+    its turns, with a system turn and an earlier exchange in every third): the shared turns
+    are the prompt, as TRL's maybe_extract_prompt splits them, and the rows are TRL's on the
+    split records, and runner's on the same pairs given with the prompt as messages."""
+    from trl.data_utils import maybe_extract_prompt
+
+    tokenizer = request.getfixturevalue(family)
+    pairs = pref_records(60) + edge_records("")
+    records = [ultrafeedback_layout(r, system=i % 3 == 0) for i, r in enumerate(pairs)]
+    ours = [preference_record_row(r, i, NAMES, tokenizer, plain, WHERE) for i, r in enumerate(records)]
+    extracted = [maybe_extract_prompt({key: r[key] for key in ("prompt", "chosen", "rejected")}) for r in records]
+    assert all(len(e["chosen"]) == len(e["rejected"]) == 1 for e in extracted)  # TRL's split: the answers' turn
+    assert runner_rows(ours) == trl_rows(trl_prepared(tokenizer, extracted, plain))
+    explicit = [preference_record_row(as_chat(r, system=i % 3 == 0), i, NAMES, tokenizer, plain, WHERE)
+                for i, r in enumerate(pairs)]
+    assert ours == explicit
+    same = {**records[0], "rejected": records[0]["chosen"]}  # one conversation twice: its last turn is the answer
+    assert preference_record_row(same, 0, NAMES, tokenizer, plain, WHERE)["same"] is True
+
+
+@pytest.mark.parametrize("family", ["gpt2", "metaspace"])
 def test_the_vendored_pairs_train_their_answers_only(request, family):
     """austen_pref.jsonl.gz's prompts end on a token boundary (one newline): TRL's loss
     starts right after the prompt's own ids, with no prompt token trained; no pair is
@@ -221,7 +253,13 @@ def test_the_records_own_field_names_are_read(gpt2):
       "rejected": [{"role": "assistant", "content": "b"}]},
      "train_file=pairs.jsonl: record 7's 'prompt', 'chosen', 'rejected' must all be text, or all lists of {role, "
      "content} messages (the prompt's conversation, then each answer's assistant turns)."),
-], ids=["missing", "empty-text", "empty-messages", "wrong-kind", "mixed-kinds", "message-without-content"])
+    ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]},
+     "train_file=pairs.jsonl: record 7's 'prompt' is text and its 'chosen' and 'rejected' conversations start with "
+     "no turn in common to be the prompt: give the prompt as messages (then each answer its assistant turns), or "
+     "start both conversations with the prompt's turns."),
+], ids=["missing", "empty-text", "empty-messages", "wrong-kind", "mixed-kinds", "message-without-content",
+        "text-prompt-no-shared-turn"])
 def test_a_bad_record_is_refused_in_one_line_naming_it(gpt2, plain, record, message):
     with pytest.raises(UserError) as refused:
         preference_record_row(record, 7, NAMES, gpt2, plain, WHERE)
@@ -264,3 +302,70 @@ def test_an_answer_longer_than_the_block_keeps_its_start_after_the_prompts_last_
     assert gpt2.decode(fitted["chosen_input_ids"]) == ": one two three four"
     assert (fitted["rejected_input_ids"], fitted["rejected_labels"]) == (row["rejected_input_ids"],
                                                                          row["rejected_labels"])
+
+
+# ---------------------------------------------------------------- recipe=qwen_dpo_lora's data, offline
+ULTRAFEEDBACK_SPLITS = ("train_prefs", "train_sft", "test_prefs", "test_sft", "train_gen", "test_gen")
+
+
+@pytest.fixture
+def ultrafeedback_copy(tmp_path, monkeypatch):
+    """A local stand-in for HuggingFaceH4/ultrafeedback_binarized (the hub is offline): its
+    six splits as .jsonl files of its layout, 24 pairs in train_prefs and 6 in test_prefs,
+    read by runner's load_raw through datasets' json builder in place of the hub."""
+    import runner.components.data as data_module
+    from datasets import load_dataset
+
+    pairs = pref_records(30)
+    files = {}
+    for split in ULTRAFEEDBACK_SPLITS:
+        chosen = pairs[24:] if split.startswith("test") else pairs[:24]
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(ultrafeedback_layout(r, system=False)) + "\n" for r in chosen))
+
+    def from_hub(name, config=None):
+        assert (name, config) == ("HuggingFaceH4/ultrafeedback_binarized", None)
+        return load_dataset("json", data_files={split: str(path) for split, path in files.items()})
+
+    monkeypatch.setattr(data_module, "load_dataset", from_hub)
+    return pairs
+
+
+def test_the_dpo_lora_recipe_reads_ultrafeedbacks_layout(compose_spec, ultrafeedback_copy, gpt2, plain):
+    """recipe=qwen_dpo_lora's data settings: train_prefs trained, test_prefs evaluated (not
+    held out of train), each pair's prompt the shared user turn and its answers the
+    assistant's turns: the rows of the same pairs given as prompt messages and answers.
+    GPT-2's tokenizer and runner's plain template stand in for Qwen's (offline)."""
+    import dataclasses
+
+    from runner.components.data import load_raw, preference_rows
+
+    spec = compose_spec("recipe=qwen_dpo_lora")
+    data = dataclasses.replace(spec.data, chat_template=plain)
+    raw = load_raw(data)
+    assert (len(raw["train"]), len(raw["validation"])) == (24, 6)
+    rows, counts = preference_rows(raw, data, gpt2, spec.data.block_size, plain)
+    assert (counts["train"]["pairs"], counts["validation"]["pairs"]) == (24, 6)
+    expected = [preference_record_row(as_chat(r, system=False), i, NAMES, gpt2, plain, WHERE)
+                for i, r in enumerate(ultrafeedback_copy)]
+    got = list(rows["train"]) + list(rows["validation"])
+    for row, want in zip(got, expected):
+        for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+            assert row[key] == want[key]
+    answer = [i for i in got[0]["chosen_labels"] if i != IGNORE_INDEX]
+    assert gpt2.decode(answer).strip() == ultrafeedback_copy[0]["chosen"].strip()
+
+
+def test_a_split_the_hub_dataset_lacks_is_refused_naming_those_it_has(compose_spec, ultrafeedback_copy):
+    import dataclasses
+
+    from runner.components.data import load_raw
+
+    data = compose_spec("recipe=qwen_dpo_lora").data
+    with pytest.raises(UserError) as refused:
+        load_raw(dataclasses.replace(data, train_split="train"))
+    assert str(refused.value) == (
+        "HuggingFaceH4/ultrafeedback_binarized has no split 'train' (data.train_split); its splits: "
+        f"{', '.join(ULTRAFEEDBACK_SPLITS)}. Set data.train_split to one of them.")
+    held = load_raw(dataclasses.replace(data, validation_split=None))  # no `validation` split: 5% of train held out
+    assert (len(held["train"]), len(held["validation"])) == (23, 1)

@@ -19,7 +19,7 @@ GROUP_OPTIONS = sorted(
 
 
 def test_there_are_recipes_and_groups():
-    assert {"gpt2_clm", "gpt2_clm_tiny"} <= set(RECIPES)
+    assert {"gpt2_clm", "gpt2_clm_tiny", "gpt2_dpo_tiny", "qwen_dpo_lora"} <= set(RECIPES)
     groups = {g for g, _ in GROUP_OPTIONS}
     assert {"model", "data", "optim", "schedule", "train", "launch", "strategy", "precision"} <= groups
     assert {"ddp", "zero2", "zero3"} <= {o for g, o in GROUP_OPTIONS if g == "strategy"}
@@ -73,6 +73,33 @@ def test_gpt2_clm_is_run_clm_faithful(compose_spec):
 def test_gpt2_clm_offline_names_the_fix(compose_spec):
     problems = check_model(compose_spec("recipe=gpt2_clm"))
     assert problems and "gpt2_clm_tiny" in problems[0] and "model.name_or_path=/local/dir" in problems[0]
+
+
+def test_the_dpo_lora_recipe_is_a_valid_run_spec_offline(compose_spec, tmp_path):
+    """recipe=qwen_dpo_lora composes and validates to the run spec it says (the model and
+    the data are the hub's: the launcher's pre-flight names the way out offline, as for
+    gpt2_clm); its data is read from a local copy in tests/components/test_preference_data.py."""
+    from runner.config.spec import DataFormat, ObjectiveKind, PeftKind, PreferenceLoss, ReferenceMode
+    from runner.config.validate import spec_problems
+    from runner.launch.preflight import check_data_files
+
+    spec = compose_spec("recipe=qwen_dpo_lora")
+    assert spec_problems(spec) == []
+    assert spec.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
+    d = spec.data
+    assert (d.dataset_name, d.train_file, d.train_split, d.validation_split) == (
+        "HuggingFaceH4/ultrafeedback_binarized", None, "train_prefs", "test_prefs")
+    assert (d.format, d.prompt_field, d.chosen_field, d.rejected_field) == (DataFormat.preference, "prompt", "chosen", "rejected")
+    assert d.chat_template is None and d.block_size == 1024  # Qwen's own template; TRL's max_length
+    assert (spec.train.objective, spec.preference.loss_type, spec.preference.beta) == (ObjectiveKind.dpo, PreferenceLoss.sigmoid, 0.1)
+    assert spec.preference.reference is ReferenceMode.adapter_off
+    assert (spec.peft.kind, spec.peft.rank, spec.peft.alpha) == (PeftKind.lora, 32, 16.0)
+    t = spec.train
+    assert (t.per_device_batch_size, t.grad_accum_steps, t.num_epochs, spec.optim.reference_global_batch) == (2, 8, 1, 16)
+    save_spec(spec, tmp_path / "run_spec.yaml")
+    assert load_spec(tmp_path / "run_spec.yaml") == spec
+    assert "model.name_or_path=/local/dir" in check_model(spec)[0]
+    assert "data.train_file=" in check_data_files(spec)[0]
 
 
 def test_user_facing_names_exist(compose_spec):

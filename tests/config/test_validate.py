@@ -67,6 +67,8 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "model.tokenizer_name": lambda tmp: str(tmp),  # a folder with no tokenizer in it
     "data.dataset_name": lambda tmp: "no_such_dataset",  # besides the recipe's train_file
     "data.dataset_config_name": lambda tmp: "wikitext-2-raw-v1",  # without a dataset_name
+    "data.train_split": lambda tmp: "train_prefs",  # a hub dataset's split, beside the micro run's train_file
+    "data.validation_split": lambda tmp: "test_prefs",
     "data.train_file": lambda tmp: str(tmp / "missing.txt"),
     "data.validation_file": lambda tmp: str(tmp / "missing.txt"),
     "data.text_column": lambda tmp: "body",  # the recipe's data is a .txt file

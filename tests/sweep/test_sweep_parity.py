@@ -220,9 +220,9 @@ def test_every_row_of_the_summary_table_lines_up_with_its_header():
     """Each figure under its own column, for a kept, a re-run (with its why) and a failed job."""
     from runner.sweep.summary import JobRow, table
 
-    rows = [JobRow("a", "optim.lr=1", "ok", train_loss=1.5, eval_loss=2.5, perplexity=12.2, tokens_per_s=100.0,
-                   peak_memory_mb=300.0, wall_s=4.0, run="kept"),
-            JobRow("b", "optim.lr=2", "ok", train_loss=1.25, eval_loss=2.25, run="re-run",
+    rows = [JobRow("a", "optim.lr=1", "ok", train_loss=1.5, figures={"eval_loss": 2.5, "perplexity": 12.2},
+                   tokens_per_s=100.0, peak_memory_mb=300.0, wall_s=4.0, run="kept"),
+            JobRow("b", "optim.lr=2", "ok", train_loss=1.25, figures={"eval_loss": 2.25}, run="re-run",
                    reason="finished under other settings: train.max_steps: 8 -> 6"),
             JobRow("c", "optim.lr=3", "failed", reason="non-finite loss", run="new")]
     header, _, *body = table(rows).splitlines()

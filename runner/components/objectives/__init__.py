@@ -29,5 +29,10 @@ def reported_figures(kind: ObjectiveKind) -> tuple[str, ...]:
     return OBJECTIVES[kind].figures
 
 
+def summarised_figures(kind: ObjectiveKind) -> tuple[str, ...]:
+    """The figures a sweep's summary shows for a job of this objective."""
+    return OBJECTIVES[kind].summarised
+
+
 def objective_class(kind: ObjectiveKind) -> type[Objective]:
     return OBJECTIVES[kind]

@@ -13,7 +13,7 @@ from `train.objective` (runner/components/objectives/__init__.py) and asked:
 - `eval_rows` / `eval_figures`: per-row figures of an evaluation batch, which the loop
   gathers over ranks and concatenates; then the reported figures from all rows;
 - `figures`, `describe`: the names of what evaluation reports (metrics.jsonl's eval
-  lines), and the log line.
+  lines), and the log line; `summarised`: those of them a sweep's summary shows.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class Objective(abc.ABC):
 
     #: The figures evaluation reports, in metrics.jsonl's eval lines (the first is the headline).
     figures: tuple[str, ...] = ()
+    #: The figures a sweep's summary shows for each job (runner/sweep/summary.py), of `figures`.
+    summarised: tuple[str, ...] = ()
     #: Whether the chunked head and loss (model.chunked_loss) compute this objective's loss.
     chunked_head: bool = True
 

@@ -41,6 +41,7 @@ def perplexity(loss: float) -> float:
 
 class CausalLM(Objective):
     figures = ("eval_loss", "perplexity", "eval_accuracy")
+    summarised = ("eval_loss", "perplexity")
 
     def __init__(self, setup: ObjectiveSetup) -> None:
         # processes x accumulation: what backward divides a micro-batch's loss by.

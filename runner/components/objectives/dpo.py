@@ -47,6 +47,7 @@ def _filled(logps: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 class DirectPreference(Objective):
     figures = ("eval_loss", *PAIR_FIGURES)
+    summarised = ("eval_loss", "rewards/accuracies", "rewards/margins")
 
     def __init__(self, setup: ObjectiveSetup) -> None:
         self.processes, self.grad_accum_steps = setup.processes, setup.grad_accum_steps
