@@ -11,7 +11,10 @@ user's pretrained folder) and precision it runs, on the embedded data, dropout o
   and adapter/ is loaded with peft instead of model/ with from_pretrained;
 - with --reshard, each strategy's resume runs on 1 process x 8 under ddp instead: the
   checkpoint of 2 processes is read across (runner/train/reshard.py), a world-size and,
-  but for ddp, a strategy change.
+  but for ddp, a strategy change;
+- with --objective dpo, every run optimises DPO's loss on the vendored preference pairs
+  (data=austen_pref, 8 pairs a step, the last of an epoch 2): the reference log-probs
+  scored once before training (precomputed), or with --peft the adapters switched off.
 
 A cell is exact when every step's loss and gradient norm match the reference (fp32:
 1e-4 and 0.1%, runner/report/parity.py), the resume logged each step once, and the
@@ -44,12 +47,14 @@ from runner.report.parity import (
     BF16_LOSS_ATOL,
     EQUAL_MATH,
     Tolerance,
+    figure_problems,
     parity_problems,
     step_records,
 )
 
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 PRECISIONS = ("fp32", "bf16")
+PEFTS = ("none", "lora", "dora")
 STEPS = 12
 CUT = 7  # an odd step, mid-epoch (5 steps an epoch)
 NPROC = 2
@@ -75,6 +80,20 @@ BF16_LAYOUT = Tolerance(BF16_LOSS_ATOL, BF16_GRAD_NORM_RTOL,
 # weights, is off by more than 1.
 LOGITS_ATOL = {"fp32": 1e-4, "bf16": 0.15}
 TOLERATED = ("exact", "within bf16 tolerance")  # the verdicts that pass
+# --objective: what each one adds to every run. DPO's pairs: 34 of them at 8 a step make
+# the text rows' 5 steps an epoch, the last of 2 pairs; each pair's prompt is cut from its
+# start to fit the 32-token blocks (data.too_long=truncate).
+OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "causal_lm": (),
+    "dpo": ("objective=dpo", "data=austen_pref", "data.too_long=truncate"),
+}
+# Each objective's logged figures held to the loss's allowance at every step, beside it.
+# (rewards/accuracies is left out: at step 1 every reward is 0 up to the rounding of a
+# forward of another shape, and which side of 0 it falls decides it.)
+FIGURES: dict[str, tuple[str, ...]] = {
+    "causal_lm": (),
+    "dpo": ("rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"),
+}
 
 
 @dataclass
@@ -88,14 +107,17 @@ class Cell:
     detail: list[str] = field(default_factory=list)
     peft: str = "none"  # none: every weight trains; lora / dora: adapters on the frozen initial weights
     reshard: bool = False  # the resume runs on 1 process under ddp (RESHARD_TO)
+    objective: str = "causal_lm"  # a key of OBJECTIVES
 
     @property
     def name(self) -> str:
-        return f"{self.model_type} {self.strategy} {column_suffix(self.precision, self.peft, self.reshard)}"
+        return (f"{self.model_type} {self.strategy} "
+                f"{column_suffix(self.precision, self.peft, self.reshard, self.objective)}")
 
 
-def column_suffix(precision: str, peft: str, reshard: bool = False) -> str:
-    return " ".join([precision, *([peft] if peft != "none" else []), *(["-> ddp x1"] if reshard else [])])
+def column_suffix(precision: str, peft: str, reshard: bool = False, objective: str = "causal_lm") -> str:
+    return " ".join([precision, *([objective] if objective != "causal_lm" else []),
+                     *([peft] if peft != "none" else []), *(["-> ddp x1"] if reshard else [])])
 
 
 # --reshard: where each strategy's checkpoint of 2 processes resumes (the same global batch)
@@ -118,14 +140,15 @@ def save_initial_model(row: str, folder: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
 
 
-def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: str = "none", row: str = "") -> list[str]:
+def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: str = "none", row: str = "",
+              objective: str = "causal_lm") -> list[str]:
     """The Hydra overrides of one run of `row`: the reference (strategy None) or a strategy's.
     With adapters, their dropout is off too (equal math) and the rate is an adapter's."""
     layout = ["train.per_device_batch_size=8", *architectures.reference_layout(row)] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
     adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
     return [*COMMON, f"model.name_or_path={model_dir}", "model.config_overrides=null", f"precision={precision}",
-            *layout, *adapters, *architectures.run_overrides(row)]
+            *layout, *adapters, *OBJECTIVES[objective], *architectures.run_overrides(row)]
 
 
 def compose(run_overrides: Sequence[str]) -> RunSpec:
@@ -146,16 +169,18 @@ def compose(run_overrides: Sequence[str]) -> RunSpec:
 
 def leg_spec(cell: Cell, resume: bool) -> RunSpec:
     moved = [*RESHARD_TO, *architectures.reference_layout(cell.model_type)] if resume and cell.reshard else []
-    spec = compose([*overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft, cell.model_type), *moved])
+    spec = compose([*overrides(cell.model_dir, cell.precision, cell.strategy, cell.peft, cell.model_type,
+                               cell.objective), *moved])
     spec.train.max_steps = STEPS if resume else CUT
     spec.train.save_every = CUT
     spec.resume = "auto" if resume else None
     return spec
 
 
-def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "none", row: str = "") -> Optional[str]:
+def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "none", row: str = "",
+                  objective: str = "causal_lm") -> Optional[str]:
     """The one-process run every strategy is held to, in this process; why it could not run, else None."""
-    spec = compose(overrides(model_dir, precision, None, peft, row))
+    spec = compose(overrides(model_dir, precision, None, peft, row, objective))
     spec.train.max_steps = STEPS
     try:
         start(spec, run_dir, overwrite=True)
@@ -205,6 +230,8 @@ def judge(cell: Cell, reference: Path) -> None:
     problems = parity_problems(theirs, ours, tolerance.loss_atol, tolerance.grad_norm_rtol)
     if sorted(ours) != list(range(1, STEPS + 1)):
         problems.append(f"steps logged {sorted(ours)}, not 1-{STEPS} once each")
+    problems += figure_problems(reference / "metrics.jsonl", cell.run_dir / "metrics.jsonl", FIGURES[cell.objective],
+                                tolerance.loss_atol)
     if cell.peft == "none":
         problems += logits_problems(cell.run_dir / "model", reference / "model", LOGITS_ATOL[cell.precision])
     else:
@@ -260,43 +287,47 @@ def adapter_problems(adapter_dir: Path, reference_dir: Path, base_dir: Path, ato
 
 
 def certify(model_types: Sequence[str], precisions: Sequence[str], work_dir: Path,
-            peft: str = "none", reshard: bool = False) -> dict[str, list[Cell]]:
+            pefts: Sequence[str] = ("none",), reshard: bool = False, objective: str = "causal_lm") -> dict[str, list[Cell]]:
+    """Every cell of the matrix: a row per model type, a column per strategy, precision and
+    peft; every strategy's first legs in one launch, and every resume in a second."""
     rows: dict[str, list[Cell]] = {}
-    references: dict[tuple[str, str], Path] = {}
+    references: dict[tuple[str, str, str], Path] = {}
     for model_type in model_types:
         model_dir = work_dir / model_type / "initial_model"
         save_initial_model(model_type, model_dir)
-        for precision in precisions:
-            column = column_suffix(precision, peft, reshard).replace(" -> ", "_to_").replace(" ", "_")
-            reference = work_dir / model_type / column / "reference"
-            why = run_reference(model_dir, precision, reference, peft, model_type)
-            cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft,
-                          reshard=reshard) for s in STRATEGIES]
-            for cell in cells:
-                if why:
-                    cell.verdict, cell.detail = "no reference", [why]
-            rows.setdefault(model_type, []).extend(cells)
-            references[(model_type, precision)] = reference
+        for peft in pefts:
+            for precision in precisions:
+                column = column_suffix(precision, peft, reshard, objective).replace(" -> ", "_to_").replace(" ", "_")
+                reference = work_dir / model_type / column / "reference"
+                why = run_reference(model_dir, precision, reference, peft, model_type, objective)
+                cells = [Cell(model_type, precision, s, work_dir / model_type / column / s, model_dir, peft=peft,
+                              reshard=reshard, objective=objective) for s in STRATEGIES]
+                for cell in cells:
+                    if why:
+                        cell.verdict, cell.detail = "no reference", [why]
+                rows.setdefault(model_type, []).extend(cells)
+                references[(model_type, precision, peft)] = reference
     pending = [c for cells in rows.values() for c in cells if not c.verdict]
     run_leg(pending, resume=False)
     run_leg([c for c in pending if not c.verdict], resume=True)
     for cell in pending:
         if not cell.verdict:
-            judge(cell, references[(cell.model_type, cell.precision)])
+            judge(cell, references[(cell.model_type, cell.precision, cell.peft)])
     return rows
 
 
-def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str, peft: str = "none",
-           reshard: bool = False) -> str:
-    """The matrix as Markdown: a row per architecture, a column per strategy and precision,
-    then each cell's reason where it is not exact."""
-    columns = [(s, p) for p in precisions for s in STRATEGIES]
+def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str, pefts: Sequence[str] = ("none",),
+           reshard: bool = False, objective: str = "causal_lm") -> str:
+    """The matrix as Markdown: a row per architecture, a column per strategy, precision and
+    peft, then each cell's reason where it is not exact."""
+    columns = [(s, p, peft) for peft in pefts for p in precisions for s in STRATEGIES]
     lines = [f"Made by `{command}`.", "",
-             "| architecture | " + " | ".join(f"{s} {column_suffix(p, peft, reshard)}" for s, p in columns) + " |",
+             "| architecture | " + " | ".join(f"{s} {column_suffix(p, peft, reshard, objective)}"
+                                             for s, p, peft in columns) + " |",
              "|---|" + "---|" * len(columns)]
     notes = []
     for model_type, cells in rows.items():
-        by_key = {(c.strategy, c.precision): c for c in cells}
+        by_key = {(c.strategy, c.precision, c.peft): c for c in cells}
         lines.append(f"| {model_type} | " + " | ".join(by_key[k].verdict for k in columns) + " |")
         notes += [f"- {c.name}: {c.verdict}: {'; '.join(c.detail)}" for c in cells if c.verdict not in TOLERATED]
     if "bf16" in precisions:
@@ -316,9 +347,13 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"),
                         help="where the runs go (default outputs/certify); a run folder there is overwritten")
     parser.add_argument("--out", type=Path, default=None, help="also write the matrix to this Markdown file")
-    parser.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
+    parser.add_argument("--peft", default="none",
                         help="lora or dora: train adapters on the frozen initial weights instead of every weight, "
-                             "and check adapter/ with peft (default none)")
+                             "and check adapter/ with peft; a list (none,lora) certifies each, in the same launches "
+                             "(default none)")
+    parser.add_argument("--objective", default="causal_lm", choices=tuple(OBJECTIVES),
+                        help="dpo: optimise DPO's loss on the vendored preference pairs instead of the next-token "
+                             "loss on text (default causal_lm)")
     parser.add_argument("--reshard", action="store_true",
                         help="resume each strategy's checkpoint of 2 processes on 1 process under ddp: a world-size "
                              "and strategy change, read across")
@@ -326,17 +361,21 @@ def main(argv: Sequence[str]) -> None:
     model_types = args.model_types or list(ROWS)
     unknown = [m for m in model_types if m not in ROWS]
     precisions = [p for p in args.precision.split(",") if p]
+    pefts = [p for p in args.peft.split(",") if p]
     if unknown or not precisions or any(p not in PRECISIONS for p in precisions):
         raise UserError(
             (f"no tiny config for model type(s) {', '.join(unknown)}: choose from {', '.join(ROWS)} "
              "(runner/certify/architectures.py lists them)" if unknown else
              f"--precision {args.precision}: give fp32, bf16 or fp32,bf16"))
-    rows = certify(model_types, precisions, args.work_dir, args.peft, args.reshard)
+    if not pefts or any(p not in PEFTS for p in pefts):
+        raise UserError(f"--peft {args.peft}: give {', '.join(PEFTS)}, or a list of them (none,lora)")
+    rows = certify(model_types, precisions, args.work_dir, pefts, args.reshard, args.objective)
     shown = ["--precision", args.precision] if precisions != ["fp32"] else []
+    shown += ["--objective", args.objective] if args.objective != "causal_lm" else []
     shown += ["--peft", args.peft] if args.peft != "none" else []
     shown += ["--reshard"] if args.reshard else []
     command = " ".join(["runner certify", *args.model_types, *shown])
-    text = render(rows, precisions, command, args.peft, args.reshard)
+    text = render(rows, precisions, command, pefts, args.reshard, args.objective)
     sys.stdout.write("\n" + text)
     if args.out:
         args.out.write_text(text)

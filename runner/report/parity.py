@@ -107,3 +107,22 @@ def parity_problems(
             problems.append(f"step {step}: grad_norm {ga:.6g} vs {gb:.6g} ({abs(ga - gb) / abs(ga):.2%} apart, "
                             f"allowed {grad_norm_rtol:.1%})")
     return problems
+
+
+def figure_problems(reference_path: Path, other_path: Path, names: tuple[str, ...], atol: float = LOSS_ATOL) -> list[str]:
+    """Every training step where one of the figures `names` (a preference run's
+    rewards/margins, logps/*) departs from `reference_path`'s by more than `atol` x
+    max(1, |reference|): the figures of equal math, as the loss is."""
+
+    def figures(path: Path) -> dict[int, dict[str, float]]:
+        rows = (json.loads(line) for line in path.read_text().splitlines())
+        return {int(row["step"]): row for row in rows if "loss" in row}
+
+    theirs, ours = figures(reference_path), figures(other_path)
+    problems = []
+    for step in sorted(set(theirs) & set(ours)):
+        for name in names:
+            a, b = theirs[step].get(name), ours[step].get(name)
+            if a is None or b is None or abs(a - b) > atol * max(1.0, abs(a)):
+                problems.append(f"step {step}: {name} {a} vs {b} (allowed {atol:g} x max(1, |{a}|))")
+    return problems

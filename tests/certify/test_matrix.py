@@ -175,3 +175,34 @@ def test_the_router_loss_row_trains_instruction_data_with_the_router_loss_on(tmp
     plain = compose(overrides(tmp_path, "fp32", None, row="mixtral"))
     assert plain.data.format is DataFormat.text and plain.train.per_device_batch_size == 8
     assert plain.train.grad_accum_steps == 1
+
+
+def _with_figures(run_dir: Path, margins: dict[int, float]) -> None:
+    """A DPO run's training lines: its rewards and log-probs beside the loss."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.update({"rewards/margins": margins[row["step"]], "rewards/chosen": 0.1 * row["step"],
+                    "logps/chosen": -200.0 - row["step"], "logps/rejected": -190.0 - row["step"]})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_a_dpo_cell_whose_rewards_part_from_the_references_is_not_exact_and_names_the_step(tmp_path, reference):
+    ref, model, losses, norms = reference
+    margins = {s: 0.05 * s for s in losses}
+    _with_figures(ref, margins)
+    for step, verdict in ((None, "exact"), (9, "not exact")):
+        cell = Cell("gpt2", "fp32", "zero2", tmp_path / f"zero2_{step}", tmp_path / "initial_model", objective="dpo")
+        _run_folder(cell.run_dir, model, losses, norms)
+        _with_figures(cell.run_dir, {s: m + (2e-3 if s == step else 1e-5) for s, m in margins.items()})
+        judge(cell, ref)
+        assert cell.verdict == verdict, cell.detail
+    assert any("step 9: rewards/margins" in d for d in cell.detail), cell.detail
+
+
+def test_a_list_of_pefts_makes_a_column_each():
+    cells = [Cell("gpt2", "fp32", s, Path("x"), Path("y"), "exact", peft=p, objective="dpo")
+             for p in ("none", "lora") for s in STRATEGIES]
+    text = render({"gpt2": cells}, ["fp32"], "runner certify gpt2 --objective dpo --peft none,lora", ["none", "lora"],
+                  objective="dpo")
+    assert "| architecture | ddp fp32 dpo | zero2 fp32 dpo | zero3 fp32 dpo | fsdp fp32 dpo | ddp fp32 dpo lora |" in text
+    assert "| gpt2 | exact | exact | exact | exact | exact | exact | exact | exact |" in text
