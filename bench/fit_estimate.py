@@ -10,6 +10,8 @@ micro-batch 4 x 128 tokens, the recipe's dropout on, the vendored corpus and tok
     python bench/fit_estimate.py                                # 48 cases, ~17 minutes on 2 CPU cores
     python bench/fit_estimate.py --archs gpt2 --strategies ddp,zero3 --precisions fp32 --checkpointing off
     python bench/fit_estimate.py --peft lora                    # the same 48 cases training adapters
+    python bench/fit_estimate.py --objective dpo                # DPO on preference pairs: 4 pairs (8 sequences)
+                                                                # a micro-batch, each of 32 tokens (the pairs fill them)
 """
 
 from __future__ import annotations
@@ -57,13 +59,21 @@ def adapter_run(arch: str, base: Path, peft: str) -> list[str]:
     return [f"model.name_or_path={base}", "model.config_overrides=null", f"peft={peft}"]
 
 
+# --objective dpo: the vendored preference pairs, cut to 32 tokens from the prompt's start,
+# which nearly every pair fills (1,847 of 1,900), as the plan assumes of every sequence.
+OBJECTIVES: dict[str, list[str]] = {
+    "causal_lm": [],
+    "dpo": ["objective=dpo", "data=austen_pref", "data.too_long=truncate", "data.block_size=32"],
+}
+
+
 def estimate_mb(run_dir: Path) -> float:
     """The plan's per-rank peak for the run's frozen spec."""
     from runner.config.spec import load_spec
     from runner.launch.fit import Planner
 
     spec = load_spec(run_dir / "run_spec.yaml")
-    return Planner(spec, 128, 2).estimate(spec.strategy.kind.value).device_total / 2**20
+    return Planner(spec, spec.data.block_size, 2).estimate(spec.strategy.kind.value).device_total / 2**20
 
 
 def main() -> None:
@@ -75,6 +85,8 @@ def main() -> None:
     parser.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
                         help="lora or dora: adapters on each architecture's frozen, randomly initialised weights "
                              "(saved once, as a pretrained base) instead of training every weight")
+    parser.add_argument("--objective", default="causal_lm", choices=tuple(OBJECTIVES),
+                        help="dpo: preference pairs (a micro-batch of 4 pairs is 8 sequences) instead of text blocks")
     args = parser.parse_args()
     worst, rows = 1.0, []
     print("| arch | strategy | precision | checkpointing | estimate MB | measured MB | estimate/measured |")
@@ -86,7 +98,7 @@ def main() -> None:
             for precision in args.precisions.split(","):
                 for ckpt in args.checkpointing.split(","):
                     for strategy in args.strategies.split(","):
-                        extra = [*RUN, *model, f"precision={precision}",
+                        extra = [*RUN, *model, *OBJECTIVES[args.objective], f"precision={precision}",
                                  f"model.gradient_checkpointing={'true' if ckpt == 'on' else 'false'}"]
                         name = f"{arch}-{strategy}-{precision}-{ckpt}"
                         measured = max(tensor_peak_mb(strategy, Path(tmp) / name, extra))

@@ -137,12 +137,35 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
+def _pairs_loss(model: Any, chunked: Any, ids: Any) -> Any:
+    """A DPO-shaped loss of the pairs in `ids` (chosen rows, then rejected), computed as a
+    preference run computes it: what it holds is what the trace measures."""
+    import torch.nn.functional as F
+
+    from runner.components.chunked_pairs import forward_pairs
+    from runner.components.objectives.preference_loss import sequence_logps
+
+    def pair_loss(chosen: Any, rejected: Any, *_: Any) -> Any:
+        return -F.logsigmoid(chosen - rejected).sum()
+
+    inputs = {"input_ids": ids, "use_cache": False}
+    if chunked is not None:
+        return forward_pairs(chunked, model, inputs, ids, pair_loss)[0]
+    logps, _ = sequence_logps(model(**inputs).logits, ids)
+    half = ids.shape[0] // 2
+    return pair_loss(logps[:half], logps[half:])
+
+
 def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
-               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None) -> StepTrace:
+               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
+               pairs: bool = False) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
     run would build (its config, attention implementation, dropout and gradient
     checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
-    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's."""
+    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
+    `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
+    sequences, scored as its loss scores them (the chunked head a chunk of pairs at a
+    time: runner/components/chunked_pairs.py; else from the whole logits)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -202,7 +225,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         trained = [p for p in model.parameters() if p.requires_grad]
         largest = max(p.numel() for p in trained)  # the largest gradient
         grad_bytes = trained[0].element_size()
-        ids = torch.zeros(micro_batch, block_size, dtype=torch.long)
+        ids = torch.zeros(micro_batch * (2 if pairs else 1), block_size, dtype=torch.long)
         tracker = Tracker()
         tracker.track_external(model)
         autocast = (torch.autocast("cpu", dtype=low) if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast)
@@ -210,7 +233,11 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
                  else contextlib.nullcontext())
         with tracker, fused:
-            with autocast, (chunked.labels(ids) if chunked is not None else contextlib.nullcontext()):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            if pairs:
+                with autocast:
+                    loss = _pairs_loss(model, chunked, ids)
+            else:
+                with autocast, (chunked.labels(ids) if chunked is not None else contextlib.nullcontext()):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
     return StepTrace(parameters, grad_bytes, tuple(samples), time.perf_counter() - start, largest)

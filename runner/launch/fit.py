@@ -17,7 +17,7 @@ from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.model import build_config, count_parameters, count_trainable_parameters, layer_parameters
 from runner.components.step_trace import Numerics, StepTrace, trace_step
 from runner.config.errors import UserError
-from runner.config.spec import OffloadDevice, PeftSpec, RunSpec
+from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, RunSpec
 from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
@@ -153,6 +153,8 @@ class Planner:
         built until an estimate is asked for (a run with launch.check_fit=false asks none)."""
         self.spec, self.block_size, self.world, self.gpu = spec, block_size, world, gpu
         self._traces: dict[tuple[int, Numerics], StepTrace] = {}
+        # A preference objective's micro-batch is pairs: twice as many sequences.
+        self.pairs = spec.train.objective is ObjectiveKind.dpo
 
     @cached_property
     def config(self) -> Any:
@@ -167,7 +169,7 @@ class Planner:
         if key not in self._traces:
             self._traces[key] = trace_step(self.spec.model, self.config, micro_batch, self.block_size,
                                            self.spec.precision.kind.value, how, gpu_kernels=self.gpu,
-                                           peft=self.spec.peft)
+                                           peft=self.spec.peft, pairs=self.pairs)
         return self._traces[key]
 
     def estimate(self, strategy: str, micro_batch: Optional[int] = None, grad_accum_steps: Optional[int] = None,

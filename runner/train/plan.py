@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from runner.components.optim import effective_lr
 from runner.config.batch import global_batch, global_batch_size
-from runner.config.spec import RunSpec
+from runner.config.spec import ObjectiveKind, RunSpec
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class RunPlan:
     lr_rule: str = "none"
     stream: str = ""  # data.streaming=true: what is streamed (its length, so steps_per_epoch, is unknown)
     trainable_parameters: int = 0  # what the optimizer updates; 0: every parameter
+    sequences_per_example: int = 1  # a preference objective's example is a pair: 2 sequences
 
     @property
     def trainable(self) -> int:
@@ -47,7 +48,22 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.block_size
+        """Tokens a step holds at most (padded preference pairs hold fewer)."""
+        return self.global_batch_size * self.sequences_per_example * self.block_size
+
+    @property
+    def tokens_line(self) -> str:
+        if self.sequences_per_example == 1:
+            return f"{self.tokens_per_step:,} = {self.global_batch_size} x {self.block_size}"
+        return (f"{self.tokens_per_step:,} at most = {self.global_batch_size} pairs x {self.sequences_per_example} "
+                f"sequences x {self.block_size}")
+
+    @property
+    def micro_batch_line(self) -> str:
+        if self.sequences_per_example == 1:
+            return f"micro-batch {self.per_device_batch_size} x {self.block_size} tokens"
+        return (f"micro-batch {self.per_device_batch_size} pairs = {self.per_device_batch_size * self.sequences_per_example}"
+                f" sequences x {self.block_size} tokens")
 
     @property
     def epochs(self) -> float:
@@ -67,6 +83,9 @@ class RunPlan:
         if self.stream:
             return (f"{self.stream}, each rank its own share, in blocks of {self.block_size} tokens; "
                     f"{self.eval_blocks:,} eval blocks held in memory")
+        if self.sequences_per_example == 2:
+            return (f"{self.train_blocks:,} train / {self.eval_blocks:,} eval pairs, each answer with its prompt in "
+                    f"at most {self.block_size} tokens")
         return f"{self.train_blocks:,} train / {self.eval_blocks:,} eval blocks of {self.block_size} tokens"
 
     def as_dict(self) -> dict:
@@ -125,6 +144,7 @@ def plan_run(
         lr_rule=spec.optim.scale_lr.value,
         stream=stream,
         trainable_parameters=trainable_parameters,
+        sequences_per_example=2 if spec.train.objective is ObjectiveKind.dpo else 1,
     )
 
 
@@ -138,7 +158,7 @@ def banner(plan: RunPlan, run_dir: str) -> str:
         f"  data           {p.data_line}",
         f"  global batch   {p.global_batch_size} = {p.per_device_batch_size} per device x {p.world_size} process(es)"
         f" x {p.grad_accum_steps} accumulation",
-        f"  tokens/step    {p.tokens_per_step:,} = {p.global_batch_size} x {p.block_size}",
+        f"  tokens/step    {p.tokens_line}",
         f"  steps          {p.steps_line}",
         f"  learning rate  {p.lr:g} configured, {p.effective_lr:g} in effect"
         + (f" ({p.lr_rule} scaling to global batch {p.global_batch_size})" if p.lr_rule != "none" else ""),

@@ -91,3 +91,18 @@ def test_a_gpus_fused_attention_keeps_no_t_by_t_probabilities():
     eager = ModelSpec(attn_implementation=AttnImplementation.eager)
     assert (trace_step(eager, long, 2, 1024, "fp32", Numerics.fp32, gpu_kernels=True).activation_peak
             > gpu.activation_peak + 2 * probabilities)
+
+
+def test_a_preference_micro_batch_is_traced_as_its_two_sequences_a_pair():
+    """4 pairs are 8 sequences: more than twice the activations of 4 text blocks. Through
+    the chunked head (a chunk of pairs at a time) about those of 8 text blocks through the
+    chunked loss, and far less than the pairs' whole logits (measured: 267 MiB chunked,
+    399 MiB plain; 8 blocks chunked 279 MiB, 4 blocks plain 153 MiB)."""
+    def peak(chunked: bool, micro_batch: int, pairs: bool = False) -> int:
+        return trace_step(ModelSpec(chunked_loss=chunked), GPT2, micro_batch, 64, "fp32", Numerics.fp32,
+                          pairs=pairs).activation_peak
+
+    plain, chunked = peak(False, 4, pairs=True), peak(True, 4, pairs=True)
+    assert plain > 2 * peak(False, 4), plain
+    assert 0.85 * peak(True, 8) < chunked < 1.15 * peak(True, 8), chunked
+    assert chunked < 0.75 * plain, (chunked, plain)

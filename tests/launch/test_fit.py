@@ -238,3 +238,15 @@ def test_a_trace_that_fails_is_one_note_without_torchs_traceback(compose_spec, c
     err = capfd.readouterr().err
     assert err.startswith("runner: note: no memory plan for this model (RuntimeError: ") and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_preference_run_is_planned_on_its_pairs_two_sequences_each(compose_spec, monkeypatch):
+    """The plan, the fit check and the automatic micro-batch trace a preference run's
+    micro-batch of pairs as the run scores it (runner/components/step_trace.py)."""
+    traced = []
+    monkeypatch.setattr(fit, "trace_step", lambda *args, **kwargs: traced.append(kwargs["pairs"]))
+    for recipe, pairs in (("gpt2_dpo_tiny", True), ("gpt2_clm_tiny", False)):
+        planner = fit.Planner(compose_spec(f"recipe={recipe}"), 32, 1)
+        assert planner.pairs is pairs
+        planner.trace(4, fit.Numerics.fp32)
+    assert traced == [True, False]
