@@ -17,3 +17,22 @@ def test_compilers_and_probes_that_libraries_run_cost_no_tier(program):
 @pytest.mark.parametrize("program", ["python", "python3", "torchrun", "runner", "srun", "bash"])
 def test_a_run_or_a_cluster_command_is_not_a_tool(program):
     assert not _is_tool(program)
+
+
+def test_a_fixture_costs_what_its_own_definition_cost_not_another_modules_of_its_name(monkeypatch):
+    """Two modules define a fixture `reference`: one trains (e2e), one writes files (unit).
+    A test of the second, on the xdist worker that set up the first, costs unit (CI's
+    7 teardown errors in tests/certify/test_matrix.py, when the cost was keyed by name)."""
+    from types import SimpleNamespace
+
+    import conftest
+
+    monkeypatch.setattr(conftest, "_FIXTURE_TIER", {("tests/train/test_preference_multiprocess.py", "reference"): "e2e"})
+
+    def item(baseid: str) -> SimpleNamespace:
+        definition = SimpleNamespace(baseid=baseid, argname="reference")
+        return SimpleNamespace(fixturenames=["tmp_path", "reference"],
+                               _fixtureinfo=SimpleNamespace(name2fixturedefs={"reference": [definition]}))
+
+    assert conftest._fixture_tiers(item("tests/certify/test_matrix.py")) == ["unit", "unit"]
+    assert conftest._fixture_tiers(item("tests/train/test_preference_multiprocess.py")) == ["unit", "e2e"]
