@@ -27,7 +27,7 @@ def test_a_fixture_costs_what_its_own_definition_cost_not_another_modules_of_its
 
     import conftest
 
-    monkeypatch.setattr(conftest, "_FIXTURE_TIER", {("tests/train/test_preference_multiprocess.py", "reference"): "e2e"})
+    monkeypatch.setattr(conftest, "_FIXTURE_TIER", {conftest._fixture_key(SimpleNamespace(baseid="tests/train/test_preference_multiprocess.py", argname="reference")): "e2e"})
 
     def item(baseid: str) -> SimpleNamespace:
         definition = SimpleNamespace(baseid=baseid, argname="reference")
