@@ -45,10 +45,14 @@ fi
 # other tests' load its two-host run lost a worker once.
 status=0
 # loadgroup: each module of training runs on one worker (tests/conftest.py), its shared runs built once.
-python -m pytest -m "unit or e2e or multiprocess" -n 2 --dist loadgroup || status=$?
+durations=$(mktemp --suffix=.xml)
+python -m pytest -m "unit or e2e or multiprocess" -n 2 --dist loadgroup --junitxml="$durations" || status=$?
 if [ -n "$cluster_install" ]; then
     wait "$cluster_install" || { cat "$cluster_log" >&2; echo "scripts/test-cluster.sh install failed" >&2; status=1; }
     rm -f "$cluster_log"
 fi
 python -m pytest -m cluster || status=$?
+# Last, where a log's tail shows it: where the main tiers' time went.
+python scripts/test_durations.py "$durations" || true
+rm -f "$durations"
 exit "$status"
