@@ -66,3 +66,54 @@ def test_the_adapters_off_give_the_base_models_log_probs_not_the_adapted_ones():
     with torch.no_grad():
         torch.testing.assert_close(off, sequence_logps(base, batch)[0], rtol=0, atol=1e-6)
         assert (sequence_logps(adapted, batch)[0] - off).abs().max() > 1e-3  # the adapters do move them
+
+
+def test_a_table_is_shared_beside_the_data_and_the_run_folder_keeps_its_own(tmp_path):
+    """The first run scores the pairs and writes its table to its run folder and beside the
+    prepared data; a second run of the same key reads the shared one (no forward) into its
+    own folder; its resume reads its folder even when the shared cache is gone; another key
+    (other weights, precision or data) scores again."""
+    from runner.components.objectives.reference import TABLE_FILE, precomputed_tables
+
+    model, rows = tiny_gpt2(), pairs(5)
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    collate = lambda batch: pad_pairs(batch, pad_id=0)  # noqa: E731
+    shared = tmp_path / "data" / "reference_logps"
+
+    def tables(run: str, key: str = "k1"):
+        forwards.clear()
+        found, origin = precomputed_tables(model, {"train": rows}, collate, 2, one_process(), tmp_path / run, key,
+                                           shared, cache=True)
+        return found["train"], origin, len(forwards)
+
+    first, origin, ran = tables("one")
+    assert (origin, ran) == ("scored", 3) and len(list(shared.glob("*.pt"))) == 1
+    again, origin, ran = tables("two")
+    assert (origin, ran) == ("shared", 0) and torch.equal(again, first)
+    assert (tmp_path / "two" / TABLE_FILE).exists()
+    for table in shared.glob("*.pt"):
+        table.unlink()
+    resumed, origin, ran = tables("two")
+    assert (origin, ran) == ("run folder", 0) and torch.equal(resumed, first)
+    _, origin, ran = tables("three", key="k2")
+    assert (origin, ran) == ("scored", 3) and len(list(shared.glob("*.pt"))) == 1
+
+
+def test_the_key_names_the_data_the_starting_weights_and_the_precision(tmp_path):
+    from runner.components.objectives.reference import describe_key
+    from runner.config.spec import ModelSpec
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    data, sizes = tmp_path / "cache" / "abc123", {"train": 5, "validation": 2}
+    key = describe_key(data, ModelSpec(name_or_path=str(folder)), 0, "fp32", sizes)
+    assert key == describe_key(data, ModelSpec(name_or_path=str(folder)), 1, "fp32", sizes)  # the seed: not a folder's
+    others = [describe_key(data, ModelSpec(name_or_path=str(folder)), 0, "bf16", sizes),
+              describe_key(tmp_path / "cache" / "other", ModelSpec(name_or_path=str(folder)), 0, "fp32", sizes),
+              describe_key(data, ModelSpec(name_or_path=str(folder)), 0, "fp32", {"train": 4, "validation": 2}),
+              describe_key(data, ModelSpec(), 0, "fp32", sizes), describe_key(data, ModelSpec(), 1, "fp32", sizes)]
+    (folder / "model.safetensors").write_bytes(b"y" * 11)  # retrained into the same folder
+    others.append(describe_key(data, ModelSpec(name_or_path=str(folder)), 0, "fp32", sizes))
+    assert len({key, *others}) == 1 + len(others)

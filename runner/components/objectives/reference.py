@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +30,9 @@ from runner.components.preference_batch import PAIR_INDEX
 log = logging.getLogger("runner")
 
 TABLE_FILE = "reference_logps.pt"
+# Beside the prepared data (data.cache_dir): tables any run of that data can reuse, one a
+# key (describe_key's digest).
+SHARED_DIR = "reference_logps"
 
 SequenceScores = tuple[torch.Tensor, torch.Tensor]  # per sequence: summed answer log-probs, answer tokens
 
@@ -110,30 +114,65 @@ def score_pairs(model: Any, dataset: Any, collate: Callable[[list[Any]], dict[st
 
 
 def precomputed_tables(model: Any, splits: dict[str, Any], collate: Callable[[list[Any]], dict[str, Any]],
-                       batch_size: int, accelerator: Any, run_dir: Path, key: str,
-                       cache: bool, chunked: Any = None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The reference log-prob tables of every split: read from the run folder when it
-    holds this data's (a resume: the model holds trained weights by now, or will), else
-    scored now and written there by rank 0 (atomically)."""
-    path = run_dir / TABLE_FILE
-    if path.exists():
-        saved = torch.load(path, map_location="cpu")
-        if saved.get("key") == key and all(len(saved["tables"][s]) == len(d) for s, d in splits.items()):
-            return {split: table.to(accelerator.device) for split, table in saved["tables"].items()}, False
-        log.warning(f"{path} was scored for other data; scoring the reference again")
+                       batch_size: int, accelerator: Any, run_dir: Path, key: str, shared_dir: Optional[Path] = None,
+                       cache: bool = True, chunked: Any = None) -> tuple[dict[str, torch.Tensor], str]:
+    """The reference log-prob tables of every split, and where they came from ("run
+    folder", "shared", "scored"): the run folder's when it holds this key's (a resume:
+    the model holds trained weights by now, or will); else `shared_dir`'s (beside the
+    prepared data: another run of the same data and starting weights scored them), copied
+    into the run folder; else scored now and written to both by rank 0 (atomically). The
+    run folder's copy is what a resume reads, whatever becomes of the shared cache."""
+    sizes = {split: len(dataset) for split, dataset in splits.items()}
+    local = run_dir / TABLE_FILE
+    shared = None if shared_dir is None else shared_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    for path, origin in ((local, "run folder"), (shared, "shared")):
+        tables = _read_tables(path, key, sizes) if path is not None else None
+        if tables is not None:
+            if origin == "shared" and accelerator.is_main_process:
+                _write_tables(local, key, tables)
+            accelerator.wait_for_everyone()
+            return {split: table.to(accelerator.device) for split, table in tables.items()}, origin
     tables = {split: score_pairs(model, dataset, collate, batch_size, accelerator, cache, chunked)
               for split, dataset in splits.items()}
     if accelerator.is_main_process:
-        tmp = path.with_name(f".{TABLE_FILE}.{os.getpid()}.tmp")
-        torch.save({"key": key, "tables": {s: t.cpu() for s, t in tables.items()}}, tmp)
-        os.replace(tmp, path)
+        for path in (local, shared):
+            if path is not None:
+                _write_tables(path, key, {s: t.cpu() for s, t in tables.items()})
     accelerator.wait_for_everyone()
-    return tables, True
+    return tables, "scored"
 
 
-def describe_key(cache_path: Path, model_name: Optional[str], seed: int) -> str:
-    """What a table is valid for: the prepared data and the starting weights' source."""
-    return json.dumps({"data": cache_path.name, "model": model_name, "seed": seed}, sort_keys=True)
+def _read_tables(path: Path, key: str, sizes: dict[str, int]) -> Optional[dict[str, torch.Tensor]]:
+    if not path.exists():
+        return None
+    saved = torch.load(path, map_location="cpu")
+    if saved.get("key") == key and {s: len(t) for s, t in saved["tables"].items()} == sizes:
+        return saved["tables"]
+    log.warning(f"{path} was scored for other data or weights; not used")
+    return None
+
+
+def _write_tables(path: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"key": key, "tables": tables}, tmp)
+    os.replace(tmp, path)
+
+
+def describe_key(cache_path: Path, model: Any, seed: int, precision: str, sizes: dict[str, int]) -> str:
+    """What a table is valid for: the prepared data (and how many of its pairs), the
+    starting weights (a folder's weight files by name, size and modification time; a hub
+    id; or a scratch model's config and seed) and the precision they were scored in."""
+    weights: Any = model.name_or_path
+    if model.name_or_path is None:
+        weights = {"model_type": model.model_type, "config_overrides": model.config_overrides, "seed": seed}
+    elif Path(model.name_or_path).is_dir():
+        folder = Path(model.name_or_path)
+        weights = {"folder": str(folder.resolve()), "files": sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+            if f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json"))}
+    return json.dumps({"data": cache_path.name, "sizes": sizes, "weights": weights, "precision": precision},
+                      sort_keys=True)
 
 
 def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path,
@@ -152,12 +191,17 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
         return AdapterOff(bare, cache, chunked)
     if mode is ReferenceMode.precomputed:
         batch = spec.train.per_device_eval_batch_size or spec.train.per_device_batch_size
-        key = describe_key(data.cache_path, spec.model.name_or_path, spec.train.seed)
-        tables, scored = precomputed_tables(model, {"train": data.train, "validation": data.validation},
-                                            collate_for(spec.data, data.pad_id), int(batch), accelerator, run_dir,
-                                            key, cache, chunked)
-        if scored and accelerator.is_main_process:
-            log.info(f"reference: scored {sum(len(t) for t in tables.values()):,} pairs with the starting weights "
-                     f"(preference.reference=precomputed), kept in {run_dir / TABLE_FILE}")
-        return Precomputed(tables, scored)
+        splits = {"train": data.train, "validation": data.validation}
+        key = describe_key(data.cache_path, spec.model, spec.train.seed, spec.precision.kind.value,
+                           {split: len(dataset) for split, dataset in splits.items()})
+        shared_dir = data.cache_path.parent / SHARED_DIR
+        tables, origin = precomputed_tables(model, splits, collate_for(spec.data, data.pad_id), int(batch),
+                                            accelerator, run_dir, key, shared_dir, cache, chunked)
+        if origin != "run folder" and accelerator.is_main_process:
+            pairs = sum(len(t) for t in tables.values())
+            log.info(f"reference: scored {pairs:,} pairs with the starting weights (preference.reference=precomputed), "
+                     f"kept in {run_dir / TABLE_FILE} and beside the prepared data ({shared_dir})" if origin == "scored"
+                     else f"reference: {pairs:,} pairs' log-probs read from {shared_dir}, scored by an earlier run of "
+                     f"this data and these starting weights; kept in {run_dir / TABLE_FILE}")
+        return Precomputed(tables, origin == "scored")
     return Reference()
