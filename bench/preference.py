@@ -28,7 +28,7 @@ again for 3 steps under bench/tensor_peak (the peak of live tensors during step 
 CPU's analogue of CUDA's max_memory_allocated; TRL's through tensor_peak/step_peak.py's
 Trainer callback, its reference model counted).
 
-    python bench/preference.py                 # GPT-2 124M, block 128, 4 pairs, 12 steps: ~15 min on 2 cores
+    python bench/preference.py                 # GPT-2 124M, block 128, 4 pairs, 12 steps: 25.6 CPU-minutes
     python bench/preference.py --tiny          # a 2-layer GPT-2, 3 steps of 2 pairs at block 64: checks the bench
     python bench/preference.py --steps 20 --warmup 5 --block-size 256 --batch 8
 
