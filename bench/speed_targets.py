@@ -65,11 +65,17 @@ def run_runner(work: Path, tag: str, steps: int, steady_from: int, precision: st
 
 
 def tensor_peak_mb(work: Path, tag: str, precision: str, extra: list[str]) -> float:
-    run_dir, out = work / f"{tag.replace(' ', '_')}-peak", work / f"{tag.replace(' ', '_')}-tensor-peak"
-    env = _env(tuned=False)
+    run_dir = work / f"{tag.replace(' ', '_')}-peak"
+    return spawn_for_tensor_peak(runner_cmd(run_dir, 3, precision, extra),
+                                 work / f"{tag.replace(' ', '_')}-tensor-peak", work / f"{run_dir.name}.log")
+
+
+def spawn_for_tensor_peak(cmd: list[str], out: Path, log: Path, tuned: bool = False) -> float:
+    """Runs `cmd` (one process) under bench/tensor_peak; its peak of live tensors in step 2, MB."""
+    env = _env(tuned)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TENSOR_PEAK_HOOK), env.get("PYTHONPATH", "")]))
     env["RUNNER_BENCH_TENSOR_PEAK"] = str(out)
-    _spawn(runner_cmd(run_dir, 3, precision, extra), env, work / f"{run_dir.name}.log")
+    _spawn(cmd, env, log)
     return json.loads((out / "rank0.json").read_text())["peak_mb"]
 
 

@@ -302,7 +302,8 @@ def _table(rows: list[tuple[str, dict[str, Any]]], runner: dict[str, Any]) -> st
     return "\n".join(lines)
 
 
-def _header(args: argparse.Namespace) -> str:
+def _machine() -> str:
+    """The machine, the versions, the time and the load: a bench's first line."""
     import torch
     import transformers
 
@@ -310,7 +311,13 @@ def _header(args: argparse.Namespace) -> str:
     return (
         f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, python {platform.python_version()}, "
-        f"{datetime.datetime.now():%Y-%m-%d %H:%M}; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+
+
+def _header(args: argparse.Namespace) -> str:
+    return (
+        f"{_machine()}\n"
         f"work: GPT-2 n_embd=64 n_layer=2 n_head=2 n_positions=128, block {BLOCK}, batch {BATCH}, fp32, 1 process, "
         f"{args.steps} steps; steady state = steps {STEADY_FROM + 1}..{args.steps}"
     )

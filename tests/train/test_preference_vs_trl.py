@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # trl_dpo: the TRL side, one copy with the bench
+
+from trl_dpo import runner_order  # noqa: E402
+
 pytestmark = [pytest.mark.e2e]
 
 STEPS, BATCH, LR, SEED = 6, 4, 1e-3, 7
@@ -70,34 +74,20 @@ def runner_steps(run_dir: Path, model: Path, train: Path, validation: Path, *ext
             if '"loss"' in line and '"eval_loss"' not in line]
 
 
-def trl_steps(out: Path, model_dir: Path, train: Path, runner_order: list[int], **dpo: object) -> list[dict]:
+def trl_steps(out: Path, model_dir: Path, train: Path, order: list[int], **dpo: object) -> list[dict]:
     """TRL's DPOTrainer on the same pairs, in runner's order (one epoch's, fed sequentially)."""
     from datasets import load_dataset
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from transformers import AutoModelForCausalLM
 
-    class InOrder(DPOTrainer):
-        def _get_train_sampler(self, *args, **kwargs):  # runner's order is in the dataset already
-            return SequentialSampler(self.train_dataset)
+    from trl_dpo import dpo_trainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = tokenizer.eos_token
-    dataset = load_dataset("json", data_files=str(train), split="train").select(runner_order)
-    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
-                     learning_rate=LR, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                     logging_steps=1, max_steps=STEPS, report_to=[], seed=SEED, optim="adamw_torch", use_cpu=True, bf16=False,
-                     save_strategy="no", eval_strategy="no", max_length=None, dataloader_num_workers=0, **dpo)
-    trainer = InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=dataset,
-                      processing_class=tokenizer)
+    dataset = load_dataset("json", data_files=str(train), split="train")
+    trainer = dpo_trainer(AutoModelForCausalLM.from_pretrained(model_dir), str(model_dir), dataset, order,
+                          str(out), per_device_train_batch_size=BATCH, learning_rate=LR, lr_scheduler_type="linear",
+                          warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, max_steps=STEPS,
+                          seed=SEED, optim="adamw_torch", max_length=None, **dpo)
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry]
-
-
-def runner_order(count: int) -> list[int]:
-    from runner.components.data import EpochSampler
-
-    return list(EpochSampler(count, SEED))
 
 
 @pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid")])
@@ -107,7 +97,7 @@ def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
     write_pairs(train, BATCH * STEPS, 0)
     write_pairs(validation, 8, 2000)
     ours = runner_steps(tmp_path / "runner", saved_model, train, validation, f"preference.loss_type={loss_type}")
-    theirs = trl_steps(tmp_path / "trl", saved_model, train, runner_order(BATCH * STEPS), loss_type=[loss_type],
+    theirs = trl_steps(tmp_path / "trl", saved_model, train, runner_order(BATCH * STEPS, SEED), loss_type=[loss_type],
                        beta=0.1)
     assert len(ours) == len(theirs) == STEPS
     worst: dict[str, float] = {}
