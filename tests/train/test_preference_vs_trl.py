@@ -1,8 +1,20 @@
-"""train.objective=dpo against TRL's DPOTrainer, the maintained implementation it must equal.
+"""train.objective=dpo against TRL, the maintained implementation it must equal.
 
 The same saved tiny model, the same pairs in the same order (runner's epoch order, fed
 to TRL sequentially), the same batch, AdamW, linear schedule and clipping, fp32 with
-dropout off: every step's loss, gradient norm and rewards/* agree within 1e-5."""
+dropout off: every step's loss, gradient norm and rewards/* agree within 1e-5.
+
+sigmoid runs against TRL's DPOTrainer. The reference-free simpo runs against TRL's own
+SimPO, CPOTrainer with loss_type=simpo and cpo_alpha=0 (TRL 1.16's DPOTrainer has no
+reference-free loss). Two things differ between CPOTrainer and DPOTrainer, and the simpo
+test aligns or maps each, touching neither trainer's loss:
+- Tokenization. CPOTrainer prepends the tokenizer's BOS to every prompt (GPT-2's is
+  <|endoftext|>, which DPOTrainer, and so runner, never adds to plain text). CPOTrainer
+  is handed a tokenizer with no BOS token, and the test asserts that the rows it then
+  trains (input ids and labels, chosen and rejected) are runner's, id for id.
+- logps/*. CPOTrainer logs simpo's mean token log-probs, runner logs the sums (as
+  DPOTrainer does), so they are not compared; rewards/chosen and rewards/rejected are β
+  times those means in both, and are compared."""
 
 from __future__ import annotations
 
@@ -12,6 +24,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,38 +87,94 @@ def runner_steps(run_dir: Path, model: Path, train: Path, validation: Path, *ext
             if '"loss"' in line and '"eval_loss"' not in line]
 
 
-def trl_steps(out: Path, model_dir: Path, train: Path, order: list[int], **dpo: object) -> list[dict]:
-    """TRL's DPOTrainer on the same pairs, in runner's order (one epoch's, fed sequentially)."""
+def trl_trainer(out: Path, model_dir: Path, train: Path, order: list[int], trainer_class: type,
+                config_class: type, tokenizer: Any = None, **options: object) -> Any:
+    """TRL's `trainer_class` (DPOTrainer, CPOTrainer) on the same pairs, in runner's order
+    (one epoch's, fed sequentially), with the shared settings and `options` (its loss's)."""
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_dpo import dpo_trainer
+    from trl_dpo import trl_trainer as in_order
 
     dataset = load_dataset("json", data_files=str(train), split="train")
-    trainer = dpo_trainer(AutoModelForCausalLM.from_pretrained(model_dir), str(model_dir), dataset, order,
-                          str(out), per_device_train_batch_size=BATCH, learning_rate=LR, lr_scheduler_type="linear",
-                          warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, max_steps=STEPS,
-                          seed=SEED, optim="adamw_torch", max_length=None, **dpo)
+    return in_order(trainer_class, config_class, AutoModelForCausalLM.from_pretrained(model_dir),
+                    tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir), dataset, order,
+                    str(out), per_device_train_batch_size=BATCH, learning_rate=LR, lr_scheduler_type="linear",
+                    warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, max_steps=STEPS, seed=SEED,
+                    optim="adamw_torch", **options)
+
+
+def trl_steps(trainer: Any) -> list[dict]:
+    """Train it; each step's log."""
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid")])
-def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
-    saved_model = save_model(tmp_path / f"tiny_{arch}", arch)
-    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
-    write_pairs(train, BATCH * STEPS, 0)
-    write_pairs(validation, 8, 2000)
-    ours = runner_steps(tmp_path / "runner", saved_model, train, validation, f"preference.loss_type={loss_type}")
-    theirs = trl_steps(tmp_path / "trl", saved_model, train, runner_order(BATCH * STEPS, SEED), loss_type=[loss_type],
-                       beta=0.1)
+def assert_every_step_equal(ours: list[dict], theirs: list[dict], figures: tuple[str, ...]) -> None:
+    """Each step's loss and `figures` within 1e-5 (relative past 1), its gradient norm
+    within 1e-5 relative; prints the largest differences."""
     assert len(ours) == len(theirs) == STEPS
     worst: dict[str, float] = {}
     for step, (a, b) in enumerate(zip(ours, theirs), start=1):
-        for name in FIGURES:
+        for name in ("loss", *figures):
             gap = abs(a[name] - b[name])
             worst[name] = max(worst.get(name, 0.0), gap)
             assert gap <= 1e-5 * max(1.0, abs(b[name])), (step, name, a[name], b[name])
+        worst["grad_norm (relative)"] = max(worst.get("grad_norm (relative)", 0.0),
+                                            abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]))
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (step, a["grad_norm"], b["grad_norm"])
     print("largest differences:", worst)
     assert ours[-1]["loss"] < ours[0]["loss"]  # it learned something: not two untrained copies agreeing
+
+
+def the_pairs(tmp_path: Path) -> tuple[Path, Path]:
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    write_pairs(train, BATCH * STEPS, 0)
+    write_pairs(validation, 8, 2000)
+    return train, validation
+
+
+@pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid")])
+def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
+    from trl import DPOConfig, DPOTrainer
+
+    saved_model = save_model(tmp_path / f"tiny_{arch}", arch)
+    train, validation = the_pairs(tmp_path)
+    ours = runner_steps(tmp_path / "runner", saved_model, train, validation, f"preference.loss_type={loss_type}")
+    order = runner_order(BATCH * STEPS, SEED)
+    theirs = trl_steps(trl_trainer(tmp_path / "trl", saved_model, train, order, DPOTrainer, DPOConfig,
+                                   loss_type=[loss_type], beta=0.1, max_length=None))
+    assert_every_step_equal(ours, theirs, FIGURES[1:])
+
+
+def test_simpo_every_step_equals_trls_cpo_trainer(tmp_path):
+    """Reference-free: runner's simpo against TRL's SimPO (CPOTrainer, loss_type=simpo,
+    cpo_alpha=0: no NLL term), at SimPO's own scale (β 2, γ 1: γ/β matters)."""
+    from transformers import AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from runner.components.preference_data import SIDES, preference_record_row
+
+    beta, gamma = 2.0, 1.0
+    saved_model = save_model(tmp_path / "tiny_gpt2", "gpt2")
+    train, validation = the_pairs(tmp_path)
+    ours = runner_steps(tmp_path / "runner", saved_model, train, validation, "preference.loss_type=simpo",
+                        f"preference.beta={beta}", f"preference.gamma={gamma}")
+    no_bos = AutoTokenizer.from_pretrained(saved_model)
+    no_bos.bos_token = None  # CPOTrainer would prepend GPT-2's <|endoftext|>: DPOTrainer and runner add none
+    trainer = trl_trainer(tmp_path / "trl", saved_model, train, runner_order(BATCH * STEPS, SEED), CPOTrainer,
+                          CPOConfig, tokenizer=no_bos, loss_type="simpo", cpo_alpha=0.0, beta=beta,
+                          simpo_gamma=gamma, label_smoothing=0.0, max_length=128)
+    # The rows CPOTrainer trains are runner's, id for id (the module's docstring).
+    names = {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"}
+    tokenizer = AutoTokenizer.from_pretrained(saved_model)
+    for index, row in enumerate(trainer.train_dataset):
+        record = {name: row[name] for name in ("prompt", "chosen", "rejected")}
+        runners = preference_record_row(record, index, names, tokenizer, None, str(train))
+        for side in SIDES:
+            assert row[f"{side}_input_ids"] == runners[f"{side}_input_ids"], (index, side)
+            assert row[f"{side}_labels"] == runners[f"{side}_labels"], (index, side)
+    theirs = trl_steps(trainer)
+    assert all(entry["nll_loss"] == 0.0 for entry in theirs)  # pure SimPO: CPO's NLL term is off
+    assert_every_step_equal(ours, theirs, ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                           "rewards/margins"))
