@@ -62,12 +62,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 labels: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        wants = ctx.needs_input_grad
         per_token = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if wants[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
-        any_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+        grads = HeadGradients(hidden, weight, bias, ctx.needs_input_grad)
         for start in range(0, labels.shape[0], chunk):
             rows = slice(start, start + chunk)
             # No test for a chunk without trained tokens: reading it on the host would
@@ -75,36 +71,61 @@ class ChunkedHeadLoss(torch.autograd.Function):
             target, h = labels[rows], hidden[rows]
             logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
             with torch.enable_grad():
-                logits.requires_grad_(any_grad)
+                logits.requires_grad_(grads.wanted)
                 losses = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="none")
-                (g,) = torch.autograd.grad(losses.sum(), logits) if any_grad else (None,)
+                (g,) = torch.autograd.grad(losses.sum(), logits) if grads.wanted else (None,)
             per_token[rows] = losses.detach()
             del logits, losses
-            if g is None:
-                continue
-            if grad_hidden is not None:
-                grad_hidden[rows] = g @ weight.to(g.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(g.t().float(), h.float())  # float(): a no-op in fp32
-            if grad_bias is not None:
-                grad_bias += g.sum(0, dtype=torch.float32)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight.to(weight.dtype) if grad_weight is not None else torch.empty(0),
-            grad_bias.to(bias.dtype) if grad_bias is not None else torch.empty(0),
-        )
+            if g is not None:
+                grads.add(rows, g, h, weight)
+        grads.save(ctx, weight, bias)
         ctx.mark_non_differentiable(per_token)
         return per_token.sum(), per_token
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_per_token: Any) -> tuple[Any, ...]:
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        return (*HeadGradients.scaled(ctx, grad_total), None, None)
+
+
+class HeadGradients:
+    """The output head's gradients a chunked loss computes in forward, chunk by chunk,
+    and scales in backward: the hidden states' (row by row), the weight's (one fp32
+    buffer every chunk adds into in place, instead of a vocabulary x width gradient of its
+    own) and the bias'. Only what autograd wants of them (`wants`: needs_input_grad)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 wants: tuple[bool, ...]) -> None:
+        self.hidden = torch.zeros_like(hidden) if wants[0] else None
+        self.weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        self.bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
+        self.wanted = self.hidden is not None or self.weight is not None or self.bias is not None
+
+    def add(self, rows: Any, g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
+        """One chunk's: `g` the gradient of its logits (rows x ... x vocabulary), `h` its hidden states."""
+        flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
+        if self.hidden is not None:
+            self.hidden[rows] = g @ weight.to(g.dtype)
+        if self.weight is not None:
+            self.weight.addmm_(flat_g.t().float(), flat_h.float())  # float(): a no-op in fp32
+        if self.bias is not None:
+            self.bias += flat_g.sum(0, dtype=torch.float32)
+
+    def save(self, ctx: Any, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        ctx.save_for_backward(
+            self.hidden if self.hidden is not None else torch.empty(0),
+            self.weight.to(weight.dtype) if self.weight is not None else torch.empty(0),
+            self.bias.to(bias.dtype) if self.bias is not None and bias is not None else torch.empty(0),
+        )
+
+    @staticmethod
+    def scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """backward's gradients of (hidden, weight, bias): the saved ones times the loss's."""
         wants = ctx.needs_input_grad
 
         def scaled(g: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
             return g * grad_total.to(g.dtype) if wanted and g.numel() else None
 
-        return scaled(grad_hidden, wants[0]), scaled(grad_weight, wants[1]), scaled(grad_bias, wants[2]), None, None
+        return tuple(scaled(g, wanted) for g, wanted in zip(ctx.saved_tensors, wants[:3]))
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.components.chunked_loss import CHUNK_LOGIT_BYTES
+from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients
 from runner.components.labels import IGNORE_INDEX, token_losses
 
 # (chosen log-probs, rejected log-probs, chosen tokens, rejected tokens, which pairs) of a
@@ -45,61 +45,39 @@ class ChunkedPairLoss(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 labels: torch.Tensor, pair_loss: Optional[PairLoss],
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        wants = ctx.needs_input_grad
         pairs = hidden.shape[0] // 2
         logps = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if wants[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
-        any_grad = pair_loss is not None and (grad_hidden is not None or grad_weight is not None
-                                              or grad_bias is not None)
+        grads = HeadGradients(hidden, weight, bias, ctx.needs_input_grad)
+        wanted = pair_loss is not None and grads.wanted
         for start in range(0, pairs, chunk):
             end = min(pairs, start + chunk)
             rows = torch.cat([torch.arange(start, end), torch.arange(pairs + start, pairs + end)]).to(hidden.device)
             h, count = hidden[rows], end - start
             logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
             with torch.enable_grad():
-                logits.requires_grad_(any_grad)
+                logits.requires_grad_(wanted)
                 losses, _ = token_losses(logits, labels[rows])
                 sums = -losses.sum(dim=-1)
                 part = None if pair_loss is None else pair_loss(
                     sums[:count], sums[count:], tokens[rows][:count], tokens[rows][count:], slice(start, end))
                 g = None
-                if any_grad and part is not None and part.requires_grad:
+                if wanted and part is not None and part.requires_grad:
                     (g,) = torch.autograd.grad(part, logits)
             logps[rows] = sums.detach()
             if part is not None:
                 total += part.detach().float()
             del logits, losses, sums
-            if g is None:
-                continue
-            flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
-            if grad_hidden is not None:
-                grad_hidden[rows] = (g @ weight.to(g.dtype)).to(grad_hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(flat_g.t().float(), flat_h.float())  # float(): a no-op in fp32
-            if grad_bias is not None:
-                grad_bias += flat_g.sum(0, dtype=torch.float32)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight.to(weight.dtype) if grad_weight is not None else torch.empty(0),
-            grad_bias.to(bias.dtype) if grad_bias is not None else torch.empty(0),
-        )
+            if g is not None:
+                grads.add(rows, g, h, weight)
+        grads.save(ctx, weight, bias)
         ctx.mark_non_differentiable(logps, tokens)
         return total, logps, tokens
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor, _logps: Any, _tokens: Any) -> tuple[Any, ...]:
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        wants = ctx.needs_input_grad
-
-        def scaled(g: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
-            return g * grad_total.to(g.dtype) if wanted and g.numel() else None
-
-        return (scaled(grad_hidden, wants[0]), scaled(grad_weight, wants[1]), scaled(grad_bias, wants[2]),
-                None, None, None)
+        return (*HeadGradients.scaled(ctx, grad_total), None, None, None)
 
 
 def chunked_pair_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
