@@ -54,7 +54,8 @@ BRANCH_RESULTS = ("all_results.json", "train_results.json", "eval_results.json",
 MATH = frozenset({
     "model.name_or_path", "model.model_type", "model.config_overrides", "model.tokenizer_name",
     "data.dataset_name", "data.dataset_config_name", "data.train_file", "data.validation_file",
-    "data.validation_split_percentage", "data.text_column", "data.keep_linebreaks", "data.block_size",
+    "data.validation_split_percentage", "data.train_split", "data.validation_split", "data.text_column",
+    "data.keep_linebreaks", "data.block_size",
     "data.max_train_samples", "data.preprocessing_num_workers", "data.streaming", "data.shuffle_buffer",
     "data.validation_blocks",  # a stream without a validation file holds these blocks out of training
     # instruction data: other examples, other masks, other rows

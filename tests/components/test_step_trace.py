@@ -93,16 +93,19 @@ def test_a_gpus_fused_attention_keeps_no_t_by_t_probabilities():
             > gpu.activation_peak + 2 * probabilities)
 
 
-def test_a_preference_micro_batch_is_traced_as_its_two_sequences_a_pair():
-    """4 pairs are 8 sequences: more than twice the activations of 4 text blocks. Through
-    the chunked head (a chunk of pairs at a time) about those of 8 text blocks through the
-    chunked loss, and far less than the pairs' whole logits (measured: 267 MiB chunked,
-    399 MiB plain; 8 blocks chunked 279 MiB, 4 blocks plain 153 MiB)."""
-    def peak(chunked: bool, micro_batch: int, pairs: bool = False) -> int:
-        return trace_step(ModelSpec(chunked_loss=chunked), GPT2, micro_batch, 64, "fp32", Numerics.fp32,
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
+def test_a_preference_micro_batch_is_traced_as_its_two_sequences_a_pair(chunked):
+    """4 pairs are 8 sequences: with a small vocabulary, where the layers' activations
+    dominate, about those of 8 text blocks (measured 14.9 against 13.9 MiB plain, 15.2
+    against 15.2 chunked). With GPT-2's vocabulary the chunked pair head (a chunk of pairs
+    at a time) holds far less than the pairs' whole logits (measured 217 against 399 MiB)."""
+    small = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=512)
+
+    def peak(config, is_chunked: bool, micro_batch: int, pairs: bool = False) -> int:
+        return trace_step(ModelSpec(chunked_loss=is_chunked), config, micro_batch, 64, "fp32", Numerics.fp32,
                           pairs=pairs).activation_peak
 
-    plain, chunked = peak(False, 4, pairs=True), peak(True, 4, pairs=True)
-    assert plain > 2 * peak(False, 4), plain
-    assert 0.85 * peak(True, 8) < chunked < 1.15 * peak(True, 8), chunked
-    assert chunked < 0.75 * plain, (chunked, plain)
+    pairs, blocks = peak(small, chunked, 4, pairs=True), peak(small, chunked, 8)
+    assert 0.9 * blocks < pairs < 1.15 * blocks, (pairs, blocks)
+    if chunked:
+        assert peak(GPT2, True, 4, pairs=True) < 0.75 * peak(GPT2, False, 4, pairs=True)
