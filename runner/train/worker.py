@@ -200,13 +200,15 @@ def build_seeded_model(spec: RunSpec) -> Built:
     model = build_model(spec.model, config, len(tokenizer))
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
+    objective = objective_class(spec.train.objective)
     chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss
-                        and objective_class(spec.train.objective).chunked_head
+                        and objective.chunked_head
                         else (None, "model.chunked_loss=false" if not spec.model.chunked_loss else
                               f"train.objective={spec.train.objective.value} scores each sequence from the whole logits"))
     if chunked is not None:
-        note = f"output head and loss by {chunked.kernel} (model.chunked_loss): the whole logits are never held"
-        if chunked.state.fused is None and gpu_present():
+        kernel = objective.chunked_head_kernel or chunked.kernel
+        note = f"output head and loss by {kernel} (model.chunked_loss): the whole logits are never held"
+        if chunked.state.fused is None and gpu_present() and objective.chunked_head_kernel is None:
             note += '; pip install "runner[liger]" for Liger\'s fused kernel'
     else:
         note = f"plain (the whole logits at once): {why_not}"

@@ -70,3 +70,18 @@ def test_the_banner_names_the_loss_kernel_and_how_to_get_liger(compose_spec, mon
               "gpu with liger": "Liger's fused linear cross-entropy (liger-kernel "}[machine]
     assert built.loss_note.startswith(f"output head and loss by {kernel}")
     assert ('pip install "runner[liger]"' in built.loss_note) is (machine == "gpu without liger")
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_the_banner_of_a_preference_run_names_its_chunks_of_pairs(compose_spec, monkeypatch, gpu):
+    """DPO's loss goes through the head a chunk of pairs at a time, not the token loss's
+    chunks (nor Liger's kernel, so no hint to install it)."""
+    from runner.components import liger_loss
+    from runner.train import worker
+
+    monkeypatch.setattr(liger_loss, "gpu_present", lambda: gpu)
+    monkeypatch.setattr(worker, "gpu_present", lambda: gpu)
+    monkeypatch.setattr(liger_loss, "installed_version", lambda library: None)
+    built = worker.build_seeded_model(compose_spec("recipe=gpt2_dpo_tiny"))
+    assert built.loss_note.startswith("output head and loss by runner's chunks of pairs"), built.loss_note
+    assert "liger" not in built.loss_note

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,8 @@ class Objective(abc.ABC):
     summarised: tuple[str, ...] = ()
     #: Whether the chunked head and loss (model.chunked_loss) compute this objective's loss.
     chunked_head: bool = True
+    #: What computes it there, for the banner, when not the token loss's kernel (None).
+    chunked_head_kernel: Optional[str] = None
 
     @abc.abstractmethod
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:

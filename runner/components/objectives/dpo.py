@@ -48,6 +48,7 @@ def _filled(logps: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 class DirectPreference(Objective):
     figures = ("eval_loss", *PAIR_FIGURES)
     summarised = ("eval_loss", "rewards/accuracies", "rewards/margins")
+    chunked_head_kernel = "runner's chunks of pairs (runner/components/chunked_pairs.py)"
 
     def __init__(self, setup: ObjectiveSetup) -> None:
         self.processes, self.grad_accum_steps = setup.processes, setup.grad_accum_steps
