@@ -203,9 +203,7 @@ class ChunkedLoss:
             labels, state.labels = state.labels, None
             if labels is None:
                 return F.linear(hidden, module.weight, module.bias)
-            if hidden.shape[:-1] != labels.shape:
-                raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
-                                   f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
+            check_positions(hidden, labels)
             if state.scoring:  # no loss for the model to compute: it was called without labels
                 state.scores = chunked_token_scores(hidden, module.weight, module.bias, labels, state.chunk)
                 return hidden.new_zeros(())
@@ -288,6 +286,14 @@ class ChunkedLoss:
             self.model.loss_function = self._old_loss_function
         else:
             vars(self.model).pop("_loss_function", None)
+
+
+def check_positions(hidden: torch.Tensor, labels: torch.Tensor) -> None:
+    """The head sees a hidden state for every labelled position (a model that slices its
+    hidden states before the head, to keep the last few, cannot use the chunked head)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
+                           f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
 
 
 def _same_values(received: torch.Tensor, returned: torch.Tensor) -> bool:

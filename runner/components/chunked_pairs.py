@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients
+from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients, check_positions
 from runner.components.labels import IGNORE_INDEX, token_losses
 
 # (chosen log-probs, rejected log-probs, chosen tokens, rejected tokens, which pairs) of a
@@ -54,14 +54,14 @@ class ChunkedPairLoss(torch.autograd.Function):
         for start in range(0, pairs, chunk):
             end = min(pairs, start + chunk)
             rows = torch.cat([torch.arange(start, end), torch.arange(pairs + start, pairs + end)]).to(hidden.device)
-            h, count = hidden[rows], end - start
+            h, count, counts = hidden[rows], end - start, tokens[rows]
             logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
             with torch.enable_grad():
                 logits.requires_grad_(wanted)
                 losses, _ = token_losses(logits, labels[rows])
                 sums = -losses.sum(dim=-1)
                 part = None if pair_loss is None else pair_loss(
-                    sums[:count], sums[count:], tokens[rows][:count], tokens[rows][count:], slice(start, end))
+                    sums[:count], sums[count:], counts[:count], counts[count:], slice(start, end))
                 g = None
                 if wanted and part is not None and part.requires_grad:
                     (g,) = torch.autograd.grad(part, logits)
@@ -96,9 +96,7 @@ def forward_pairs(chunked: Any, model: Any, inputs: dict[str, Any], labels: torc
     kept: dict[str, torch.Tensor] = {}
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if hidden.shape[:-1] != labels.shape:
-            raise RuntimeError(f"chunked loss: the head saw {tuple(hidden.shape[:-1])} positions for labels "
-                               f"{tuple(labels.shape)} (the model sliced its hidden states); set model.chunked_loss=false")
+        check_positions(hidden, labels)
         total, kept["logps"], kept["tokens"] = chunked_pair_loss(hidden, weight, bias, labels, pair_loss)
         return total
 
