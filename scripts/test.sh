@@ -47,12 +47,13 @@ status=0
 # loadgroup: each module of training runs on one worker (tests/conftest.py), its shared runs built once.
 durations=$(mktemp --suffix=.xml)
 python -m pytest -m "unit or e2e or multiprocess" -n 2 --dist loadgroup --junitxml="$durations" || status=$?
+# Where the main tiers' time went, printed before the cluster tier so that a run stopped
+# there still shows it.
+python scripts/test_durations.py "$durations" || true
+rm -f "$durations"
 if [ -n "$cluster_install" ]; then
     wait "$cluster_install" || { cat "$cluster_log" >&2; echo "scripts/test-cluster.sh install failed" >&2; status=1; }
     rm -f "$cluster_log"
 fi
 python -m pytest -m cluster || status=$?
-# Last, where a log's tail shows it: where the main tiers' time went.
-python scripts/test_durations.py "$durations" || true
-rm -f "$durations"
 exit "$status"

@@ -22,6 +22,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the runner sets it (see
 
 import multiprocessing.process
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -85,6 +86,30 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["RUNNER_CACHE_DIR"] = old
 
 
+@contextmanager
+def environment_restored() -> Iterator[None]:
+    """os.environ as it was before, whatever the body set or removed. Accelerate writes
+    ACCELERATE_USE_DEEPSPEED / _FSDP, RANK, MASTER_PORT... into the process when it builds
+    a plugin or a state; a later test on the same xdist worker then built DeepSpeed without
+    a process group (CI: 10 failures, mpi4py and "Default process group has not been
+    initialized", in tests that never asked for DeepSpeed)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test starts with the environment the session's fixtures set, never one an
+    earlier test left (environment_restored)."""
+    with environment_restored():
+        yield
+
+
 @pytest.fixture
 def compose_spec() -> Callable[..., RunSpec]:
     """Compose the shipped config with overrides, as the launcher does, into a RunSpec."""
@@ -115,11 +140,8 @@ def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}.items():
         monkeypatch.setenv(key, value)
-    # Accelerate sets these for the whole process when given an FSDP plugin; later tests'
-    # Accelerators would read them and build FSDP too.
-    for key in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
-        monkeypatch.setenv(key, "unset")  # recorded, so teardown removes what Accelerate sets
-        monkeypatch.delenv(key)
+    # What Accelerate sets for the whole process (ACCELERATE_USE_FSDP...) is undone after
+    # the test by _environment_restored.
     reset_accelerate_state()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield

@@ -36,3 +36,20 @@ def test_a_fixture_costs_what_its_own_definition_cost_not_another_modules_of_its
 
     assert conftest._fixture_tiers(item("tests/certify/test_matrix.py")) == ["unit", "unit"]
     assert conftest._fixture_tiers(item("tests/train/test_preference_multiprocess.py")) == ["unit", "e2e"]
+
+
+def test_what_a_test_sets_in_the_environment_is_gone_after_it(monkeypatch):
+    """Accelerate's ACCELERATE_USE_DEEPSPEED, set by one test, made later tests on the same
+    worker build DeepSpeed (tests/conftest.py environment_restored); and what was there
+    before, and was removed, comes back."""
+    import os
+
+    from conftest import environment_restored
+
+    monkeypatch.setenv("RUNNER_TEST_KEPT", "1")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    with environment_restored():
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        del os.environ["RUNNER_TEST_KEPT"]
+    assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
+    assert os.environ["RUNNER_TEST_KEPT"] == "1"

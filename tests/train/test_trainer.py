@@ -418,4 +418,3 @@ def test_under_deepspeed_the_check_runs_before_the_engine_steps(tmp_path, monkey
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
