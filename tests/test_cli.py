@@ -1,5 +1,6 @@
 """Bad input through the real entry point: one clear message, exit 2, nothing written."""
 
+import os
 import subprocess
 import sys
 
@@ -213,3 +214,31 @@ def test_cli_fed_a_worker_that_aborts_names_the_timeout_and_nccl_variables(tmp_p
     # faulthandler's stack from the aborted rank (runner/launch/failure_notes.py), shown once above
     assert done.stderr.count("[rank 1] Fatal Python error: Aborted") == 1, done.stderr[-3000:]
     assert "in patched" in done.stderr.split("[rank 1] Fatal Python error: Aborted")[1]
+
+
+# A process's last moments, seen from inside: an atexit handler (kept) and a finaliser
+# that runs only when the interpreter tears its modules down (skipped by os._exit).
+LAST_MOMENTS = """
+import atexit, sys
+atexit.register(lambda: sys.stderr.write("ATEXIT\\n"))
+class Teardown:
+    def __del__(self):
+        sys.stderr.write("TEARDOWN\\n")
+sys.modules["runner_test_teardown"] = Teardown()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, code, says", [(["--help"], 0, None), (["recipe=gpt2_clm_tiny", "optim.lr=fast"], 2,
+                                                                           "bad value for 'optim.lr'")])
+def test_the_command_leaves_without_the_interpreters_teardown_but_after_its_exit_handlers(tmp_path, args, code, says):
+    """`runner` ends through os._exit (runner/cli.py entry: unloading torch and
+    transformers costs 2.6 CPU-s a process): its exit code, its output and atexit's
+    handlers are kept, the module teardown is not."""
+    (tmp_path / "sitecustomize.py").write_text(LAST_MOMENTS)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "runner", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == code, done.stderr
+    assert "ATEXIT" in done.stderr and "TEARDOWN" not in done.stderr, done.stderr
+    assert (says or "recipe:") in (done.stderr if says else done.stdout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import get_scheduler
 
 from runner.config.spec import LrScaling, OptimSpec, ScheduleKind, ScheduleSpec
 
@@ -53,6 +52,11 @@ def build_scheduler(
     """Stepped once per optimizer step by the trainer (never prepared by Accelerate,
     which would step it once per process), so the lr at step k is the same at any
     world size."""
+    # Here, not at the top: transformers.optimization imports its Trainer's utilities and
+    # through them peft and the modelling code (3.5 s), which a launcher checking a
+    # resume has no use for (tests/test_import_cost.py).
+    from transformers import get_scheduler
+
     name = {ScheduleKind.linear: "linear", ScheduleKind.cosine: "cosine", ScheduleKind.constant: "constant_with_warmup"}
     return get_scheduler(
         name[spec.kind],

@@ -27,7 +27,7 @@ from runner.distributed.world import world_size
 from runner.launch.accelerate_config import apply_accelerate_config
 from runner.launch import auto_batch, fit
 from runner.launch.dry_run import report
-from runner.launch.launcher import launch
+from runner.launch.launcher import launch, start_server_early
 from runner.launch.preflight import check_stream_step, prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
 from runner.train.resume import ResumePlan, check_resume, start_branch
@@ -53,6 +53,7 @@ def start(
     """Validate, claim the run folder, freeze the spec, launch. Used by `runner ...`,
     `runner --spec` and each sweep job."""
     launched = time.time()  # the goodput ledger's wall time starts here (runner/train/ledger.py)
+    start_server_early(spec)
     spec_path = claim(spec, run_dir, overwrite, composed, overrides, run_dir_chosen)
     if spec_path is not None:
         with launch_failures(spec, run_dir):

@@ -34,6 +34,9 @@ from runner.config.spec import LaunchSpec, StartMethod
 # keeps the server alive through a signal sent to the launcher's process group.
 SERVER_PRELOAD = ["runner.launch.forkserver_preload"]
 WORKER_MODULE = "runner.launch.launcher"
+# Then what the worker imports where it uses it (transformers' models, peft, DeepSpeed):
+# once in the server, not once in each worker (runner/launch/worker_preload.py).
+WORKER_LIBRARIES = "runner.launch.worker_preload"
 # The signals the server ignores (forkserver_preload), back to their default in a worker.
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -59,7 +62,7 @@ def environment_for(method: str) -> Optional[Environment]:
     if method != "forkserver":
         return None
     if _server_environment is None:
-        multiprocessing.set_forkserver_preload([*SERVER_PRELOAD, WORKER_MODULE])
+        multiprocessing.set_forkserver_preload([*SERVER_PRELOAD, WORKER_MODULE, WORKER_LIBRARIES])
         multiprocessing.forkserver.ensure_running()
         _server_environment = dict(os.environ)
     return _server_environment, dict(os.environ)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
+from typing import Optional
 
 log = logging.getLogger("runner")
 
@@ -54,14 +56,27 @@ def return_freed_memory() -> bool:
     return _set_thresholds(GLIBC_DEFAULT_THRESHOLD_BYTES)
 
 
-def _set_thresholds(threshold: int) -> bool:
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library, looked up once a process: find_library runs `ldconfig -p` (and on
+    some systems a compiler) each time, and every run of a worker asks (runner certify
+    runs dozens in turn)."""
     name = ctypes.util.find_library("c")
     if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _set_thresholds(threshold: int) -> bool:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = mallopt(M_MMAP_THRESHOLD, threshold) == 1 and mallopt(M_TRIM_THRESHOLD, threshold) == 1
@@ -75,12 +90,12 @@ def release_freed_memory() -> bool:
     garbage collection: a sweep's next in-process job then starts from, and measures its
     peak above, what is live, not what the job before it retained. True when trimmed."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+        trim = libc.malloc_trim
+    except AttributeError:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim(0) == 1

@@ -213,3 +213,22 @@ def test_a_rank_a_fatal_signal_ended_is_reported_though_its_peer_noted_first(com
         with launch_failures(spec, tmp_path):
             raise err
     assert capsys.readouterr().err == f"[rank 1] {stack}"
+
+
+@pytest.mark.parametrize("launch, starts", [
+    ({"nproc_per_node": "2"}, True),
+    ({"nproc_per_node": "1", "max_restarts": 1}, True),  # a restartable worker is never in this process
+    ({"nproc_per_node": "1"}, False),  # the worker runs in this process: no server
+    ({"nproc_per_node": "two"}, False),  # refused by validation, which reports it
+])
+def test_the_forkserver_starts_before_validation_only_for_a_launch_that_forks_from_it(monkeypatch, launch, starts):
+    """The server imports the workers' libraries while the launcher validates and plans
+    (runner/launch/launcher.py start_server_early)."""
+    from runner.config.spec import LaunchSpec, RunSpec
+    from runner.launch import launcher as launch_module
+
+    started: list[str] = []
+    monkeypatch.setattr(launch_module, "environment_for", started.append)
+    monkeypatch.setattr(launch_module, "resolve", lambda spec_launch: "forkserver")
+    launch_module.start_server_early(RunSpec(launch=LaunchSpec(**launch)))
+    assert started == (["forkserver"] if starts else [])

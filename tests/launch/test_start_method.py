@@ -106,3 +106,37 @@ def test_the_server_outlives_a_sigterm_to_the_group_and_its_workers_answer_it():
     second.start()
     second.join(timeout=120)
     assert second.exitcode == 0 and queue.get()[1] == server
+
+
+@pytest.mark.e2e  # a fresh interpreter that imports the worker's libraries
+def test_the_server_preloads_what_a_worker_imports_and_leaves_it_to_the_collectors_sight(tmp_path):
+    """runner/launch/worker_preload.py in a fresh interpreter, as the server imports it:
+    what every run imports is there, what the server holds is frozen (a worker's
+    collections skip it), and the server itself ends without the interpreter's teardown
+    (forkserver_preload), after its exit handlers."""
+    import subprocess
+
+    script = (
+        "import atexit, gc, sys\n"
+        "import runner.launch.forkserver_preload\n"
+        "atexit.register(lambda: sys.stderr.write('ATEXIT\\n'))  # as a library the server imports next\n"
+        "import runner.launch.launcher, runner.launch.worker_preload as w\n"
+        "missing = [m for m in w.EVERY_RUN if m not in sys.modules]\n"
+        "print(missing, gc.get_freeze_count() > 10000, 'matplotlib.pyplot' in sys.modules)\n"
+        "class Teardown:\n"
+        "    def __del__(self):\n"
+        "        sys.stderr.write('TEARDOWN\\n')\n"
+        "sys.modules['runner_test_teardown'] = Teardown()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[] True True", done.stdout
+    assert "ATEXIT" in done.stderr and "TEARDOWN" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_preloaded_module_that_fails_is_left_to_the_worker_and_one_not_installed_is_skipped(monkeypatch, tmp_path):
+    from runner.launch.worker_preload import preload
+
+    (tmp_path / "runner_test_broken.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert preload(("runner_test_broken", "runner_test_not_installed.sub", "json")) == ["runner_test_broken"]

@@ -91,3 +91,23 @@ def test_retain_off_returns_freed_blocks_that_the_adaptive_threshold_would_keep(
     kept_by_default, returned = _returned_mb("default"), _returned_mb("return")
     assert kept_by_default < 64, kept_by_default  # of 256 MB freed, glibc's defaults return little
     assert returned > 240, returned
+
+
+def test_the_c_library_is_looked_up_once_a_process(monkeypatch):
+    """find_library runs `ldconfig -p` each call; a worker asks before each run (runner
+    certify: dozens of runs in turn)."""
+    import ctypes.util
+
+    from runner.train import host_memory
+
+    calls: list[str] = []
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: calls.append(name) or real(name))
+    host_memory._libc.cache_clear()
+    try:
+        assert host_memory.release_freed_memory() and host_memory.release_freed_memory()
+        host_memory.retain_freed_memory()
+        host_memory.return_freed_memory()
+    finally:
+        host_memory._libc.cache_clear()
+    assert calls == ["c"]
