@@ -19,6 +19,13 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the runner sets it (see runner/cli.py)
+# pytest-xdist's workers share the machine's cores: each test process, and each run it
+# starts, takes its share of threads, before torch is imported here or in a child. Two
+# workers of 2-thread OpenMP on 2 cores spin against each other: two 1-process tiny runs
+# side by side took 41-57 s at 2 threads each and 25 s at 1 (the launcher keeps an
+# OMP_NUM_THREADS it is given, runner/launch/launcher.py prepare_environment).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), 1)))
 
 import multiprocessing.process
 import subprocess
