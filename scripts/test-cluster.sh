@@ -226,6 +226,13 @@ both_idle() {
 
 up() {
     need_root
+    # A cluster a killed run left behind (CI stopped at its time limit mid-tier): its
+    # controller's saved state holds the nodes down, and they never came back idle (seen:
+    # "both nodes idle in sinfo did not happen within 120s", then passing after a down).
+    if [ -d "$STATE" ]; then
+        say "a cluster left here by an earlier run: taking it down first"
+        down
+    fi
     need_packages
     write_configs
     network_up
