@@ -25,8 +25,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the runner sets it (see
 # side by side took 41-57 s at 2 threads each and 25 s at 1 (the launcher keeps an
 # OMP_NUM_THREADS it is given, runner/launch/launcher.py prepare_environment).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(_cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), 1)))
+    from runner.launch.cpus import usable_cpus  # no torch: affinity and cgroup quota, as the launcher counts
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), 1)))
 
 import multiprocessing.process
 import subprocess

@@ -54,7 +54,7 @@ def build_scheduler(
     world size."""
     # Here, not at the top: transformers.optimization imports its Trainer's utilities and
     # through them peft and the modelling code (3.5 s), which a launcher checking a
-    # resume has no use for (tests/test_import_cost.py).
+    # resume (planned_rate) has no use for until it builds a schedule.
     from transformers import get_scheduler
 
     name = {ScheduleKind.linear: "linear", ScheduleKind.cosine: "cosine", ScheduleKind.constant: "constant_with_warmup"}

@@ -181,11 +181,14 @@ def start_server_early(spec: RunSpec) -> None:
     launch refused meanwhile leaves the server to end with this process."""
     from runner.config.validate import check_launch
 
-    if joined_launch() is not None or check_launch(spec):
-        return
-    if resolve_nproc(spec.launch) * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
-        return  # the worker runs in this process (_launch)
-    environment_for(resolve(spec.launch))
+    if joined_launch() is None and not check_launch(spec) and not _in_this_process(spec, resolve_nproc(spec.launch)):
+        environment_for(resolve(spec.launch))
+
+
+def _in_this_process(spec: RunSpec, nproc: int) -> bool:
+    """One worker that will never be restarted runs in the launcher's process: a worker
+    there could not be restarted after a crash, so a restartable one is spawned."""
+    return nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0
 
 
 def _launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
@@ -195,11 +198,9 @@ def _launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
-    if nproc * spec.launch.nnodes == 1 and spec.launch.max_restarts == 0:
+    if _in_this_process(spec, nproc):
         _run_in_process(spec, launched)
         return
-    # More than one worker, or one that may need restarting (launch.max_restarts): a
-    # worker in this process could not be restarted after a crash, so it is spawned.
     _spawn(spec, nproc, [str(spec_path)], launched)
 
 
