@@ -15,7 +15,6 @@ import sys
 import typing
 from typing import Any, Iterator
 
-from runner.config import spec as spec_module
 from runner.config.spec import RunSpec
 
 HEADER = """# Configuration reference
@@ -67,7 +66,7 @@ def _default(field: dataclasses.Field) -> str:
 
 def rows(cls: type = RunSpec, prefix: str = "") -> Iterator[tuple[str, list[tuple[str, str, str, str]]]]:
     """(section, [(key, type, default, description)]) for `cls` and each nested section."""
-    hints = typing.get_type_hints(cls, vars(spec_module))
+    hints = typing.get_type_hints(cls)  # each section's annotations, read in the module defining it
     docs = field_docs(cls)
     own, nested = [], []
     for field in dataclasses.fields(cls):
