@@ -1,6 +1,6 @@
 """docs/configuration.md, generated from the schema: every field of the run spec with
 its type, schema default, allowed values and the docstring written under it in
-runner/config/spec.py. A test fails when the page is out of date; rewrite it with
+runner/config/spec.py (or the section module it nests: data_spec.py, preference_spec.py). A test fails when the page is out of date; rewrite it with
 
     python -m runner.config.reference > docs/configuration.md
 """
@@ -19,7 +19,8 @@ from runner.config.spec import RunSpec
 
 HEADER = """# Configuration reference
 
-Generated from the schema (`runner/config/spec.py`) by `python -m runner.config.reference`;
+Generated from the schema (`runner/config/spec.py`, its `data` and `preference` sections in
+`data_spec.py` and `preference_spec.py` beside it) by `python -m runner.config.reference`;
 `tests/config/test_reference.py` fails when this page is out of date. Defaults here are
 the schema's: a recipe and the groups under `conf/` set their own on top (`runner
 recipe=NAME --cfg job` prints what a run composes). Set any field on the command line

@@ -1,8 +1,9 @@
 """The run spec: one typed schema for every setting, and its frozen on-disk form.
 
 Every user-facing setting is defined here, once, with its default and allowed
-values documented under it; the data section (`data.*`) in runner.config.data_spec,
-whose names this module re-exports. Hydra composes YAML on top of this schema (so an
+values documented under it; the data section (`data.*`) in runner.config.data_spec and
+the preference objective's (`preference.*`) in runner.config.preference_spec, whose
+names this module re-exports. Hydra composes YAML on top of this schema (so an
 unknown key or a wrong type fails at compose time); `runner.config.validate` then
 checks what only makes sense across fields. Workers never run Hydra: they read
 the resolved `run_spec.yaml` through `load_spec`.
@@ -18,8 +19,9 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
-# Re-exported: `from runner.config.spec import DataSpec` (and its enums) is how the package imports them.
+# Re-exported: the package imports every section and enum of the schema from here.
 from runner.config.data_spec import DataFormat, DataSpec, TooLong  # noqa: F401
+from runner.config.preference_spec import PreferenceLoss, PreferenceSpec, ReferenceMode  # noqa: F401
 
 SPEC_FILENAME = "run_spec.yaml"
 
@@ -82,21 +84,6 @@ class PeftKind(str, enum.Enum):
 class ObjectiveKind(str, enum.Enum):
     causal_lm = "causal_lm"  # next-token cross-entropy over the trained tokens
     dpo = "dpo"  # preference optimisation on chosen/rejected pairs (PreferenceSpec's loss_type)
-
-
-class PreferenceLoss(str, enum.Enum):
-    sigmoid = "sigmoid"  # DPO (Rafailov et al.), with label smoothing: conservative DPO
-    ipo = "ipo"  # IPO (Azar et al.), on log-ratios averaged over each answer's tokens, as TRL
-    hinge = "hinge"  # SLiC's hinge on the reward margin
-    simpo = "simpo"  # SimPO (Meng et al.): reference-free, length-normalised, margin gamma
-    orpo = "orpo"  # ORPO (Hong et al.): reference-free, the chosen's NLL plus lambda x an odds-ratio term
-
-
-class ReferenceMode(str, enum.Enum):
-    frozen = "frozen"  # a frozen copy of the starting weights, sharded like the policy
-    adapter_off = "adapter_off"  # with peft: the same model with its adapters disabled
-    precomputed = "precomputed"  # the starting weights' log-probs, computed once before training
-    none = "none"  # simpo and orpo: no reference
 
 
 class AttnImplementation(str, enum.Enum):
@@ -193,26 +180,6 @@ class ScheduleSpec:
     """Optimizer steps of linear warmup from 0 to `optim.lr`."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of total steps; used when warmup_steps is 0."""
-
-
-@dataclass
-class PreferenceSpec:
-    """train.objective=dpo: the loss on chosen/rejected pairs (docs/preference.md)."""
-
-    loss_type: PreferenceLoss = PreferenceLoss.sigmoid
-    """sigmoid (DPO) | ipo | hinge | simpo | orpo."""
-    beta: float = 0.1
-    """The reward scale: DPO's, IPO's tau, the hinge's; SimPO's beta; ORPO's lambda, the
-    odds-ratio term's weight (TRL's ORPOConfig.beta)."""
-    label_smoothing: float = 0.0
-    """sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
-    gamma: float = 0.5
-    """simpo: the target reward margin γ (TRL's simpo_gamma): the loss is
-    -log σ(β x (the mean log-prob margin) - γ)."""
-    reference: Optional[ReferenceMode] = None
-    """frozen | adapter_off | precomputed | none. null: none for simpo and orpo; with
-    peft, adapter_off; otherwise precomputed (the starting weights' log-probs, scored
-    once before training and kept in the run folder). frozen is not available yet."""
 
 
 @dataclass
