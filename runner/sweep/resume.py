@@ -50,7 +50,7 @@ def has_results(job_dir: Path) -> bool:
     return (job_dir / JOB_STATUS).exists() or bool(existing_results(job_dir))
 
 
-# Accepted by a resume (runner/train/resume.py HARMLESS, HORIZON), yet they change what a finished
+# Accepted by a resume (runner/train/resume_settings.py HARMLESS, HORIZON), yet they change what a finished
 # job's results answer: a job finished under other values is not kept. The second line:
 # the same math, but the summary's speed and memory columns measure them.
 RESULT_DEFINING = ("train.max_steps", "train.num_epochs", "train.eval_every", "data.max_eval_samples",

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from runner.config.spec import RunSpec, flat_spec_dict
-from runner.train.resume import BOOKKEEPING, HARMLESS, HORIZON, LAYOUT_KEYS, MATH, compare, schedule_note
+from runner.train.resume import compare, schedule_note
+from runner.train.resume_settings import BOOKKEEPING, HARMLESS, HORIZON, LAYOUT_KEYS, MATH
 
 CLASSES = {"MATH": MATH, "HORIZON": HORIZON, "HARMLESS": HARMLESS, "BOOKKEEPING": BOOKKEEPING, "LAYOUT_KEYS": LAYOUT_KEYS}
 
@@ -20,7 +21,7 @@ def test_every_setting_of_the_spec_is_decided_exactly_once():
     """A field added to the spec fails here until it is put in one of the sets."""
     keys = set(flat_spec_dict(RunSpec()))
     decided = set().union(*CLASSES.values())
-    assert sorted(keys - decided) == [], "undecided: add each to MATH, HORIZON, HARMLESS or BOOKKEEPING in runner/train/resume.py"
+    assert sorted(keys - decided) == [], "undecided: add each to MATH, HORIZON, HARMLESS or BOOKKEEPING in runner/train/resume_settings.py"
     assert sorted(decided - keys) == [], "no longer in the spec"
     for (a, first), (b, second) in itertools.combinations(CLASSES.items(), 2):
         assert not first & second, f"in both {a} and {b}: {sorted(first & second)}"
