@@ -156,27 +156,12 @@ def _pairs_loss(model: Any, chunked: Any, ids: Any) -> Any:
     return pair_loss(logps[:half], logps[half:])
 
 
-def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
-               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
-               pairs: bool = False) -> StepTrace:
-    """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
-    run would build (its config, attention implementation, dropout and gradient
-    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
-    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
-    `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
-    sequences, scored as its loss scores them (the chunked head a chunk of pairs at a
-    time: runner/components/chunked_pairs.py; else from the whole logits)."""
+def _sampling_tracker(samples: list[tuple[int, int]]) -> Any:
+    """PyTorch's MemTracker, recording into `samples` (activations and temporaries,
+    parameter gradients) after every operator, and tracking a model whose base is
+    frozen (adapters)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-    from transformers import AutoModelForCausalLM
-
-    start = time.perf_counter()
-    low = _low_precision(precision)
-    kwargs: dict[str, Any] = {}
-    if spec.attn_implementation is not None:
-        kwargs["attn_implementation"] = spec.attn_implementation.value
-    samples: list[tuple[int, int]] = []
 
     class Tracker(MemTracker):
         def _update_peak_stats(self, peak_state: Any) -> None:  # called after every operator
@@ -196,6 +181,30 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
                 if not param.requires_grad:
                     self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return Tracker()
+
+
+def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
+               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
+               pairs: bool = False) -> StepTrace:
+    """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
+    run would build (its config, attention implementation, dropout and gradient
+    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
+    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
+    `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
+    sequences, scored as its loss scores them (the chunked head a chunk of pairs at a
+    time: runner/components/chunked_pairs.py; else from the whole logits)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    low = _low_precision(precision)
+    kwargs: dict[str, Any] = {}
+    if spec.attn_implementation is not None:
+        kwargs["attn_implementation"] = spec.attn_implementation.value
+    samples: list[tuple[int, int]] = []
 
     if numerics in (Numerics.half, Numerics.half_autocast) and low is not None:
         kwargs["dtype"] = low
@@ -226,7 +235,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         largest = max(p.numel() for p in trained)  # the largest gradient
         grad_bytes = trained[0].element_size()
         ids = torch.zeros(micro_batch * (2 if pairs else 1), block_size, dtype=torch.long)
-        tracker = Tracker()
+        tracker = _sampling_tracker(samples)
         tracker.track_external(model)
         autocast = (torch.autocast("cpu", dtype=low) if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast)
                     else contextlib.nullcontext())
