@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from conftest import MICRO, patch_train_step
+from in_turn import run_in_turn
 from runner.report.parity import parity_problems, step_records
 
-# Each layout runs once, when a test first asks for it (so `-k fsdp` runs only those).
+# Each launch group of layouts runs once, when a test first asks for one of its layouts (Runs).
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]
 
 CONFIGS = Path(__file__).parent / "launch" / "data" / "accelerate_configs"
@@ -63,17 +64,32 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in rows if key in r and "loss" in r]
 
 
+def launch_group(name: str) -> str:
+    """Layouts that share their launch settings run in turn on one launch of workers
+    (tests/in_turn.py): the one-process layouts on one, the forked two-process ones on
+    another. ddp_2x4 runs alone through the CLI: it is the spawned layout."""
+    if "launch.start_method=spawn" in LAYOUTS[name]:
+        return name
+    return "two" if "launch.nproc_per_node=2" in LAYOUTS[name] else "one"
+
+
 class Runs:
-    """Each layout's run folder, the run made on first use and kept for the module."""
+    """Each layout's run folder, made when a test first asks for it or for a layout of
+    its launch group, and kept for the module."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.done = root, {}
 
     def __getitem__(self, name: str) -> Path:
         if name not in self.done:
-            result = runner(self.root / name, *LAYOUTS[name])
-            assert result.returncode == 0, f"{name}:\n{result.stderr[-3000:]}"
-            self.done[name] = self.root / name
+            group = launch_group(name)
+            if group == name:
+                result = runner(self.root / name, *LAYOUTS[name])
+                assert result.returncode == 0, f"{name}:\n{result.stderr[-3000:]}"
+                self.done[name] = self.root / name
+            else:
+                members = {n: [*BASE, *LAYOUTS[n]] for n in LAYOUTS if launch_group(n) == group}
+                self.done.update(run_in_turn(self.root / group, members, timeout=2400))
         return self.done[name]
 
 
