@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import MICRO
+from in_turn import run_in_turn
 from runner.certify.matrix import LOGITS_ATOL
 from runner.report.parity import parity_problems, step_records
 from test_adapters_run import base, logits  # noqa: F401 (base is a fixture)
@@ -59,8 +61,20 @@ def test_a_resume_in_another_layout_continues_at_the_exact_sample(base, tmp_path
     assert (adapted(reference) - logits(AutoModelForCausalLM.from_pretrained(base))).abs().max().item() > 1e-3  # trained
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
-def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_path, strategy):  # noqa: F811
+STRATEGIES = ["ddp", "zero2", "zero3", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(base, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """Each strategy's 5-step adapter run at 2 processes, in turn on one launch of workers
+    (tests/in_turn.py): the workers import once for all four."""
+    return run_in_turn(tmp_path_factory.mktemp("adapter_strategies"), {
+        strategy: [*RUN, f"model.name_or_path={base}", *LAYOUTS["2x4x1"], f"strategy={strategy}", "train.max_steps=5",
+                   "train.save_every=5", "peft.save_merged=true"] for strategy in STRATEGIES}, timeout=1800)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, strategy_runs, tmp_path, strategy):  # noqa: F811
     """adapter/ against the run's own trained model: its last checkpoint at 2 processes,
     whose parameters each library reads with its own tool (DeepSpeed's zero_to_fp32 for
     ZeRO's partitions, torch's dcp_to_torch_save for FSDP2's DTensor shards; ddp's is
@@ -73,12 +87,7 @@ def test_adapter_gives_the_trained_models_logits_under_every_strategy(base, tmp_
     from runner.components.adapters import lora_config
     from runner.config.spec import PeftKind, PeftSpec
 
-    run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "runner", *RUN, f"model.name_or_path={base}", *LAYOUTS["2x4x1"],
-                           f"strategy={strategy}", "train.max_steps=5", "train.save_every=5", "peft.save_merged=true",
-                           f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = strategy_runs[strategy]
     checkpoint = run_dir / "checkpoints" / "step_5"
     if strategy == "ddp":
         from safetensors.torch import load_file

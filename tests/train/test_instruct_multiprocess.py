@@ -7,11 +7,10 @@ packed and padded, for an absolute-position, a grouped-query and a QK-norm model
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from in_turn import run_in_turn
 
 from runner.certify.architectures import TINY
 from runner.report.parity import parity_problems, step_records
@@ -40,27 +39,36 @@ CASES = [  # (architecture, packing, layout of the compared run)
 ]
 
 
-def run(run_dir: Path, arch: str, packing: str, layout: list[str]) -> Path:
-    done = subprocess.run([sys.executable, "-m", "runner", *COMMON, *MODELS[arch], f"data.packing={packing}", *layout,
-                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir / "metrics.jsonl"
+def overrides(arch: str, packing: str, layout: list[str]) -> list[str]:
+    return [*COMMON, *MODELS[arch], f"data.packing={packing}", *layout]
+
+
+def processes(layout: list[str]) -> int:
+    return 2 if "launch.nproc_per_node=2" in layout else 1
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("sft_reference")
-    return {(arch, packing): run(root / f"{arch}-{packing}", arch, packing, ONE)
-            for arch, packing in sorted({(a, p) for a, p, _ in CASES})}
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every reference (one process x 8) and every case, in turn on one launch of workers
+    per number of processes (tests/in_turn.py): the workers import once for all of them."""
+    root = tmp_path_factory.mktemp("sft_layouts")
+    wanted = {f"reference-{arch}-{packing}": overrides(arch, packing, ONE)
+              for arch, packing in sorted({(a, p) for a, p, _ in CASES})}
+    wanted.update({f"case{i}": overrides(arch, packing, layout) for i, (arch, packing, layout) in enumerate(CASES)})
+    folders: dict[str, Path] = {}
+    for nproc in (1, 2):
+        group = {name: o for name, o in wanted.items() if processes(o) == nproc}
+        folders.update(run_in_turn(root / f"nproc{nproc}", group, timeout=1800))
+    return folders
 
 
-@pytest.mark.parametrize("arch, packing, layout", CASES, ids=[f"{a}-packing_{p}-{' '.join(l)}" for a, p, l in CASES])
-def test_every_layout_trains_the_numbers_of_one_process(references, tmp_path, arch, packing, layout):
-    metrics = run(tmp_path / "run", arch, packing, layout)
-    ours, reference = step_records(metrics), step_records(references[(arch, packing)])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-packing_{p}-{' '.join(l)}" for a, p, l in CASES])
+def test_every_layout_trains_the_numbers_of_one_process(runs, case):
+    arch, packing, _ = CASES[case]
+    metrics, reference_metrics = (runs[name] / "metrics.jsonl" for name in (f"case{case}", f"reference-{arch}-{packing}"))
+    ours, reference = step_records(metrics), step_records(reference_metrics)
     assert sorted(ours) == list(range(1, 7))
     assert parity_problems(reference, ours) == []
     # the real (non-padding) tokens, counted on every rank and summed, are the same rows'
-    tokens = [json.loads((m.parent / "all_results.json").read_text())["train_tokens"]
-              for m in (metrics, references[(arch, packing)])]
+    tokens = [json.loads((m.parent / "all_results.json").read_text())["train_tokens"] for m in (metrics, reference_metrics)]
     assert tokens[0] == tokens[1] < 6 * 8 * 64
