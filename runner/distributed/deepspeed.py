@@ -452,7 +452,8 @@ class ZeroStrategy(Strategy):
             config.pop(training_only, None)
         config["zero_optimization"].pop("offload_optimizer", None)
         engine, *_ = deepspeed.initialize(model=model, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if self.stage != 3:
