@@ -97,6 +97,12 @@ def test_a_frozen_reference_sharded_like_the_policy_trains_as_precomputed_on_one
     print(f"{strategy}: largest difference from one process with precomputed {largest}; the ranks hold {held} of "
           f"the frozen copy's {whole} parameter elements")
     assert len(held) == 2 and max(held) < whole <= sum(held), (held, whole)  # sharded, all of it held
+    # the final evaluation scores the validation pairs against the copy too
+    evaluated = [[r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r][-1]
+                 for path in (frozen[strategy] / "metrics.jsonl", reference)]
+    for name in ("eval_loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+        a, b = evaluated[0][name], evaluated[1][name]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (name, a, b)
 
 
 def test_a_zero3_run_resumed_under_ddp_on_one_process_continues_as_one_process(reference, tmp_path):
