@@ -15,9 +15,9 @@ TRL's side reads all of it from runner's frozen run_spec.yaml, so the two cannot
 Each variant in its own subprocess, one after another:
   runner  preference.reference=precomputed (the starting weights' log-probs, scored once
           before training; runner's default without adapters)
-  runner  preference.reference=frozen (a second, frozen copy): refused today; the table
-          prints runner's refusal (its own checks, runner.config.validate, asked without
-          starting a run), and measures it once runner accepts it
+  runner  preference.reference=frozen (a second, frozen copy of the starting weights);
+          a runner that refuses it (before issue 48's frozen reference) has its refusal
+          printed (its own checks, runner.config.validate, asked without starting a run)
   TRL     a reference model (its default: a second copy, forward each step)
   TRL     precompute_ref_log_probs=True (scored once before training)
 Steady pairs/s: steps `--warmup`+1..`--steps`. runner: its metrics.jsonl windows
@@ -213,7 +213,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     print(f"{RUNNER_PRECOMPUTED} ...", flush=True)
     rows: dict[str, dict[str, Any]] = {RUNNER_PRECOMPUTED: run_runner(args, work, "precomputed")}
     base = rows[RUNNER_PRECOMPUTED]
-    refused = refusal(base["spec"], "frozen")  # refused today; measured once runner accepts it
+    refused = refusal(base["spec"], "frozen")  # None: runner accepts it, and it is measured
     print(f"{RUNNER_FROZEN} ...{' refused' if refused else ''}", flush=True)
     rows[RUNNER_FROZEN] = {"refused": refused} if refused else run_runner(args, work, "frozen")
     for reference, tag in (("model", TRL_MODEL), ("precomputed", TRL_PRECOMPUTED)):

@@ -46,4 +46,5 @@ class PreferenceSpec:
     reference: Optional[ReferenceMode] = None
     """frozen | adapter_off | precomputed | none. null: none for simpo and orpo; with
     peft, adapter_off; otherwise precomputed (the starting weights' log-probs, scored
-    once before training and kept in the run folder). frozen is not available yet."""
+    once before training and kept in the run folder). frozen: a second copy of the
+    starting weights, sharded like the policy, scoring each micro-batch."""

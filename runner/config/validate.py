@@ -311,10 +311,6 @@ def check_preference(spec: RunSpec) -> list[str]:
     if pref.loss_type not in REFERENCE_FREE and mode is ReferenceMode.none:
         p.append(f"preference.loss_type={pref.loss_type.value} compares against a reference model: set "
                  "preference.reference=frozen, precomputed or (with peft) adapter_off.")
-    if mode is ReferenceMode.frozen:
-        p.append("preference.reference=frozen (a second, frozen copy of the model) is not available yet: set "
-                 "preference.reference=precomputed (the same log-probs of the starting weights, scored once before "
-                 "training, no second copy) or, with peft, adapter_off.")
     if mode is ReferenceMode.adapter_off and spec.peft.kind is PeftKind.none:
         p.append("preference.reference=adapter_off is the model with its adapters disabled, and this run has none: "
                  "set peft=lora (or dora), or preference.reference=frozen or precomputed.")

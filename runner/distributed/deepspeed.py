@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -429,6 +429,31 @@ class ZeroStrategy(Strategy):
 
     def after_evaluation(self, model: Any) -> None:
         release_gathered_parameters(model)
+
+    def frozen_copy(self, accelerator: "Accelerator", build: Callable[[], torch.nn.Module]) -> Any:
+        """ZeRO-3: the copy partitioned by an engine of its own (the run's DeepSpeed config
+        without the optimizer's parts, as TRL's prepare_deepspeed does), so no rank holds it
+        whole; built with transformers' view of ZeRO-3 off (else from_pretrained/from_config
+        would build it under zero.Init, with other initial weights than the policy's), then
+        cast and partitioned by the engine. ZeRO-2 does not partition parameters: a whole
+        copy on each device, in the dtype the engine runs the policy's module in."""
+        if self.stage != 3:
+            model = super().frozen_copy(accelerator, build)
+            low = {PrecisionKind.bf16: torch.bfloat16, PrecisionKind.fp16: torch.float16}.get(self.precision.kind)
+            return model if low is None else model.to(low)
+        import copy
+
+        import deepspeed
+
+        with hf_zero3_hidden(accelerator):
+            model = build().requires_grad_(False)
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for training_only in ("optimizer", "scheduler"):
+            config.pop(training_only, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         if self.stage != 3:

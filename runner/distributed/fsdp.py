@@ -11,7 +11,7 @@ and set through torch's state-dict API for FSDP2, each rank keeping its own shar
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -159,6 +159,16 @@ class FSDPStrategy(Strategy):
 
     def after_evaluation(self, model: Any) -> None:
         reshard(model)
+
+    def frozen_copy(self, accelerator: Accelerator, build: Callable[[], torch.nn.Module]) -> Any:
+        """The copy sharded as the policy is: Accelerate's own FSDP2 preparation (each
+        transformer layer, the embeddings and head, then the root, `fully_shard` with the
+        plugin's mesh, reshard and mixed-precision policy), without an optimizer. A forward
+        leaves the root's units gathered (no backward reshards them): `after_evaluation`
+        after each one."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, build().requires_grad_(False)).eval()
 
     def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         reshard(model)  # the sharded DTensors registered again, nothing left whole

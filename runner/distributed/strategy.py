@@ -9,7 +9,7 @@ spec before the Accelerator (runner/distributed/strategies.py) and lives for the
 
 Order of use (runner/train/worker.py, runner/train/trainer.py):
   accelerator_options -> after_accelerator -> before_prepare -> prepare -> after_prepare
-  -> engagement_problems -> per micro-batch: backward; per window: grad_norm,
+  -> engagement_problems -> frozen_copy (a frozen reference) -> per micro-batch: backward; per window: grad_norm,
   found_inf_optimizer, optimizer_step, loss_scale -> after_evaluation -> parameter_pieces
   (fingerprints) -> full_state_dict (model/) -> alone (peft.save_merged, rank 0).
 A resume in another layout or strategy (runner/train/resume.py, runner/train/reshard.py):
@@ -19,10 +19,11 @@ A resume in another layout or strategy (runner/train/resume.py, runner/train/res
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate
 from pathlib import Path
+from types import MethodType
 from typing import Any, Optional
 
 import torch
@@ -172,7 +173,23 @@ class Strategy:
         return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
     def after_evaluation(self, model: Any) -> None:
-        """Called after an evaluation's last forward."""
+        """Called after an evaluation's last forward (and after each forward of a frozen copy)."""
+
+    # ------------------------------------------------------------ a frozen copy (preference.reference=frozen)
+    def frozen_copy(self, accelerator: "Accelerator", build: Callable[[], torch.nn.Module]) -> Any:
+        """A second model that only scores: `build()` (the starting weights) prepared as
+        this strategy prepares the policy, minus everything training needs: eval mode, no
+        gradient, no optimizer; never stepped, saved or checkpointed (Accelerate is not
+        told of it). Its forward runs in the policy's precision. Here (ddp, one process)
+        a whole copy on the device, under the autocast Accelerate wraps the policy's
+        forward in."""
+        from accelerate.utils import get_mixed_precision_context_manager
+
+        model = build().requires_grad_(False).to(accelerator.device).eval()
+        if accelerator.native_amp:  # as Accelerator.prepare_model wraps the policy's forward
+            autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+            model.forward = MethodType(autocast(model.forward.__func__), model)
+        return model
 
     # ------------------------------------------------------------ the end
     def parameter_pieces(self, model: Any) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:

@@ -48,6 +48,8 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate) -> str:
         f"  learning rate   {p.lr:g} configured, {p.effective_lr:g} in effect",
         f"  memory per rank at its peak ({p.strategy}, {p.micro_batch_line}):",
         f"    parameters    {gib(estimate.params)}",
+        *([f"    reference     {gib(estimate.reference)}  (preference.reference=frozen: the starting weights "
+           "again, sharded as the parameters are)"] if estimate.reference else []),
         f"    gradients     {gib(estimate.grads)}" + ("  (the trainable parameters' only)" if p.trainable != p.parameters else ""),
         f"    optimizer     {gib(estimate.optimizer)}",
         f"    buffers       {gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered root and layers)",

@@ -17,7 +17,8 @@ from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.model import build_config, count_parameters, count_trainable_parameters, layer_parameters
 from runner.components.step_trace import Numerics, StepTrace, trace_step
 from runner.config.errors import UserError
-from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, RunSpec
+from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, ReferenceMode, RunSpec
+from runner.config.validate import reference_mode
 from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
@@ -124,11 +125,13 @@ def model_shape(spec: RunSpec) -> ModelShape:
 
 
 def estimate_for(shape: ModelShape, strategy: str, precision: str, world_size: int, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> MemoryEstimate:
-    """Per-rank memory of this model's states and the strategy's buffers (no activations)."""
+                 offload_params: bool = False, frozen_reference: bool = False) -> MemoryEstimate:
+    """Per-rank memory of this model's states and the strategy's buffers (no activations);
+    `frozen_reference`: with a frozen copy of the starting weights (without adapters)."""
+    reference = shape.parameters - (shape.trainable or 0) if frozen_reference else 0
     return estimate_memory(shape.parameters, strategy, precision, world_size, offload_optimizer, offload_params,
                            hidden_size=shape.hidden_size, layers=shape.layers, cuda=torch.cuda.is_available(),
-                           layer_parameters=shape.layer_parameters, trainable=shape.trainable)
+                           layer_parameters=shape.layer_parameters, trainable=shape.trainable, reference=reference)
 
 
 def numerics(strategy: str, precision: str) -> Numerics:
@@ -155,6 +158,7 @@ class Planner:
         self._traces: dict[tuple[int, Numerics], StepTrace] = {}
         # A preference objective's micro-batch is pairs: twice as many sequences.
         self.pairs = spec.train.objective is ObjectiveKind.dpo
+        self.frozen = self.pairs and reference_mode(spec) is ReferenceMode.frozen  # a second copy of the weights
 
     @cached_property
     def config(self) -> Any:
@@ -180,7 +184,7 @@ class Planner:
         precision = s.precision.kind.value
         offload_opt = own_offload and s.strategy.offload_optimizer is OffloadDevice.cpu
         offload_par = own_offload and s.strategy.offload_params is OffloadDevice.cpu
-        states = estimate_for(self.shape, strategy, precision, self.world, offload_opt, offload_par)
+        states = estimate_for(self.shape, strategy, precision, self.world, offload_opt, offload_par, self.frozen)
         b = micro_batch or s.train.per_device_batch_size
         accum = grad_accum_steps if grad_accum_steps is not None else s.train.grad_accum_steps
         return with_activations(states, self.trace(b, numerics(strategy, precision)), strategy, self.world, accum)

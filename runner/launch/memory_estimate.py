@@ -31,11 +31,14 @@ class MemoryEstimate:
     # their peak beyond `grads_at_rest` (with_activations); 0 when not traced.
     activations: float = 0.0
     grads_at_rest: Optional[float] = None  # gradients held before backward starts; None: all of `grads`
+    # A frozen reference's weights (preference.reference=frozen): sharded as the policy's are,
+    # with no gradients, optimizer state or buffers at the step's peak.
+    reference: float = 0.0
 
     @property
     def states_total(self) -> float:
         """Parameters, gradients, optimizer state and buffers: the model's states alone."""
-        return self.params + self.grads + self.optimizer + self.buffers
+        return self.params + self.grads + self.optimizer + self.buffers + self.reference
 
     @property
     def device_total(self) -> float:
@@ -43,7 +46,8 @@ class MemoryEstimate:
         gradients held then, whichever is more (the optimizer step holds every gradient
         and no activation)."""
         at_rest = self.grads if self.grads_at_rest is None else self.grads_at_rest
-        return self.params + self.optimizer + self.buffers + max(self.grads, at_rest + self.activations)
+        held = self.params + self.reference + self.optimizer + self.buffers
+        return held + max(self.grads, at_rest + self.activations)
 
 
 class Traced(Protocol):
@@ -145,6 +149,7 @@ def estimate_memory(
     cuda: bool = False,
     layer_parameters: Optional[int] = None,
     trainable: Optional[int] = None,
+    reference: int = 0,
 ) -> MemoryEstimate:
     """Per-rank bytes for parameters, gradients and AdamW state, and working buffers.
 
@@ -162,6 +167,10 @@ def estimate_memory(
     GPT-2's 12 h²): what FSDP2 gathers at a time, and what lies outside the layers.
     `trainable`: the parameters the optimizer updates (adapters on a frozen base, peft=lora);
     only they have gradients, Adam's moments and ZeRO's fp32 master copy (None: all).
+    `reference`: the parameters of a frozen reference (preference.reference=frozen), held
+    as the policy's weights are (ZeRO's working precision; fp32 under ddp and fsdp),
+    divided by the world size under zero3 and fsdp and offloaded with them; no gradients
+    or optimizer state, and its gathered shards are freed after each of its forwards.
     """
     n, w = float(n_params), max(world_size, 1)
     t = float(n_params if trainable is None else trainable)
@@ -173,6 +182,7 @@ def estimate_memory(
     if strategy in SHARDS_PARAMS:
         params = params / w
     offloaded = 0.0
+    frozen = float(reference) * weight_bytes / (w if strategy in SHARDS_PARAMS else 1)
     if offload_optimizer and strategy in ZERO:
         offloaded += optimizer
         optimizer = 0.0
@@ -182,10 +192,12 @@ def estimate_memory(
     elif offload_params and strategy in SHARDS_PARAMS:
         offloaded += params
         params = 0.0
+    if offload_params and strategy in SHARDS_PARAMS:
+        offloaded, frozen = offloaded + frozen, 0.0
     if strategy == "fsdp":
         compute_bytes = 2.0 if precision in ("bf16", "fp16") else 4.0
         buffers = (_fsdp_buffers(n, compute_bytes, _layer(hidden_size, layer_parameters), layers)
                    if hidden_size and layers else 0.0)
     else:
         buffers = _buffers(n, strategy, weight_bytes, grad_bytes, hidden_size, layers, cuda, layer_parameters, t)
-    return MemoryEstimate(params, grads, optimizer, offloaded, buffers)
+    return MemoryEstimate(params, grads, optimizer, offloaded, buffers, reference=frozen)

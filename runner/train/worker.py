@@ -26,6 +26,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,6 +43,7 @@ from runner.components.instruct import check_packing
 from runner.components.data import EpochSampler, resolve_block_size
 from runner.components.stream import BadRecord, BlockStream, StreamedData
 from runner.components.objectives import build_objective, objective_class
+from runner.components.objectives.frozen import frozen_reference
 from runner.components.objectives.reference import build_reference
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.model import (
@@ -160,8 +162,9 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     )
     # A preference objective's reference, while the model still holds the starting weights
     started = time.time()
+    frozen = partial(frozen_reference, spec, strategy, accelerator, built.chunked is not None)  # its own copy
     reference = None if streamed else build_reference(spec, model, unwrap(accelerator, model), accelerator, data, run_dir,
-                                                      built.chunked)
+                                                      built.chunked, frozen)
     if reference is not None and reference.scored:
         ledger.add("reference", time.time() - started)
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6

@@ -21,7 +21,6 @@ from runner.config.validate import reference_mode, spec_problems
      "preference.loss_type=orpo is reference-free"),
     (["recipe=gpt2_dpo_tiny", "preference.reference=none"], "compares against a reference model"),
     (["recipe=gpt2_dpo_tiny", "preference.reference=adapter_off"], "this run has none: set peft=lora"),
-    (["recipe=gpt2_dpo_tiny", "preference.reference=frozen"], "preference.reference=frozen (a second, frozen copy"),
     (["recipe=gpt2_dpo_tiny", "data.packing=true"], "data.packing=true with data.format=preference is not supported yet"),
     (["recipe=gpt2_clm_tiny", "preference.beta=0.5"], "preference.* is set but train.objective is not dpo"),
 ])
@@ -34,5 +33,10 @@ def test_the_recipe_and_its_variants_are_valid_and_pick_their_reference(compose_
     assert spec_problems(compose_spec("recipe=gpt2_dpo_tiny")) == []
     assert reference_mode(compose_spec("recipe=gpt2_dpo_tiny")) is ReferenceMode.precomputed
     assert reference_mode(compose_spec("recipe=gpt2_dpo_tiny", "peft=lora")) is ReferenceMode.adapter_off
+    # frozen: a copy of the starting weights; with peft too (the base, as adapter_off scores it, but a second copy)
+    for frozen in (compose_spec("recipe=gpt2_dpo_tiny", "preference.reference=frozen"),
+                   compose_spec("recipe=gpt2_dpo_tiny", "preference.reference=frozen", "peft=lora",
+                                "model.name_or_path=/a/saved/model")):
+        assert spec_problems(frozen) == [] and reference_mode(frozen) is ReferenceMode.frozen
     simpo = compose_spec("recipe=gpt2_dpo_tiny", "preference.loss_type=simpo", "preference.gamma=1.0")
     assert spec_problems(simpo) == [] and reference_mode(simpo) is ReferenceMode.none

@@ -250,3 +250,20 @@ def test_a_preference_run_is_planned_on_its_pairs_two_sequences_each(compose_spe
         assert planner.pairs is pairs
         planner.trace(4, fit.Numerics.fp32)
     assert traced == [True, False]
+
+
+@pytest.mark.parametrize("strategy, share", [("ddp", 1.0), ("zero2", 1.0), ("zero3", 0.5), ("fsdp", 0.5)])
+def test_a_frozen_reference_adds_its_weights_sharded_as_the_policys(compose_spec, strategy, share):
+    """preference.reference=frozen holds a second copy of the starting weights: the plan
+    grows by its bytes on every rank under ddp and zero2, by 1/world of them under zero3
+    and fsdp, and by nothing else (no gradients, optimizer state or buffers of its own)."""
+    world = 2
+    plans = {}
+    for mode in ("precomputed", "frozen"):
+        planner = fit.Planner(compose_spec("recipe=gpt2_dpo_tiny", f"preference.reference={mode}"), 32, world)
+        plans[mode] = fit.estimate_for(planner.shape, strategy, "fp32", world, frozen_reference=planner.frozen)
+    weights = planner.shape.parameters * 4.0  # fp32
+    grown = plans["frozen"].device_total - plans["precomputed"].device_total
+    assert grown == pytest.approx(weights * share, rel=1e-9), (strategy, grown, weights)
+    assert plans["frozen"].states_total - plans["precomputed"].states_total == pytest.approx(grown)
+    assert plans["frozen"].params == plans["precomputed"].params and plans["frozen"].buffers == plans["precomputed"].buffers

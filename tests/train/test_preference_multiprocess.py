@@ -2,7 +2,9 @@
 every rank and micro-batch, counted before the step, so accumulation trains the same
 numbers as one process (loss within 1e-4, gradient norm within 0.1%, at every step),
 where the micro-batches hold different numbers of pairs and past an epoch boundary; and
-a zero3 checkpoint of 2 processes resumes on one. Every strategy at 2 processes against
+a zero3 checkpoint of 2 processes resumes on one. preference.reference=frozen at 2
+processes under zero3 and fsdp (one launch) trains the numbers of one process with the
+reference precomputed, no rank holding the copy whole. Every strategy at 2 processes against
 one process is the certify matrix's (`runner certify --objective dpo`,
 tests/certify/test_certify_runs.py), which holds rewards/* and logps/* to the loss's
 allowance too."""
@@ -10,12 +12,14 @@ allowance too."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from in_turn import run_in_turn
 from runner.certify.architectures import TINY
 from runner.report.parity import parity_problems, step_records
 
@@ -48,7 +52,10 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(layout) for layout in LAYOUTS])
 def test_every_layout_trains_the_pairs_of_one_process(reference, tmp_path, layout):
-    metrics = run(tmp_path / "run", layout)
+    assert_trains_as_one_process(run(tmp_path / "run", layout), reference)
+
+
+def assert_trains_as_one_process(metrics: Path, reference: Path) -> None:
     ours, theirs = step_records(metrics), step_records(reference)
     assert sorted(ours) == list(range(1, 5))
     assert parity_problems(theirs, ours) == []
@@ -61,6 +68,41 @@ def test_every_layout_trains_the_pairs_of_one_process(reference, tmp_path, layou
         for name in names:
             assert abs(a[name] - b[name]) <= 1e-4 * max(1.0, abs(b[name])), (a["step"], name, a[name], b[name])
     assert lines[-1]["loss"] != lines[0]["loss"]  # steps were taken
+
+
+# preference.reference=frozen at 2 processes, one launch for both sharding strategies: the
+# copy scores what one process's precomputed table holds, and no rank holds it whole
+# (run.log: what each rank holds of it). ddp's whole copy is tests/train/test_frozen_reference.py's.
+FROZEN = ("zero3", "fsdp")
+HELD = re.compile(r"reference: a frozen copy .* prepared by strategy=(\w+): the ranks hold \[([\d, ]+)\] of its "
+                  r"([\d,]+) parameter elements")
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory) -> dict[str, Path]:
+    runs = {strategy: [*COMMON, *TWO, f"strategy={strategy}", "preference.reference=frozen", "tracking=none"]
+            for strategy in FROZEN}
+    return run_in_turn(tmp_path_factory.mktemp("dpo_frozen"), runs, timeout=1800)
+
+
+@pytest.mark.parametrize("strategy", FROZEN)
+def test_a_frozen_reference_sharded_like_the_policy_trains_as_precomputed_on_one_process(reference, frozen, strategy):
+    assert_trains_as_one_process(frozen[strategy] / "metrics.jsonl", reference)
+    found = HELD.search((frozen[strategy] / "run.log").read_text())
+    assert found and found.group(1) == strategy, strategy
+    held, whole = [int(n) for n in found.group(2).split(",")], int(found.group(3).replace(",", ""))
+    lines = [[r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "rewards/margins" in r]
+             for path in (frozen[strategy] / "metrics.jsonl", reference)]
+    largest = {name: max(abs(a[name] - b[name]) for a, b in zip(*lines)) for name in ("loss", "logps/chosen")}
+    print(f"{strategy}: largest difference from one process with precomputed {largest}; the ranks hold {held} of "
+          f"the frozen copy's {whole} parameter elements")
+    assert len(held) == 2 and max(held) < whole <= sum(held), (held, whole)  # sharded, all of it held
+    # the final evaluation scores the validation pairs against the copy too
+    evaluated = [[r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r][-1]
+                 for path in (frozen[strategy] / "metrics.jsonl", reference)]
+    for name in ("eval_loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+        a, b = evaluated[0][name], evaluated[1][name]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (name, a, b)
 
 
 def test_a_zero3_run_resumed_under_ddp_on_one_process_continues_as_one_process(reference, tmp_path):

@@ -8,6 +8,8 @@
   weights. No second copy of the model is held, under any strategy.
 - `adapter_off`: with peft, the same model with its adapters disabled (peft's
   `disable_adapter`), under no gradient: the base model, with no second copy.
+- `frozen`: a second copy of the starting weights, prepared by the strategy as the
+  policy is sharded, scoring each micro-batch as it comes (frozen.py).
 - `none`: reference-free losses (simpo, orpo).
 """
 
@@ -176,10 +178,12 @@ def describe_key(cache_path: Path, model: Any, seed: int, precision: str, sizes:
 
 
 def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path,
-                    chunked: Any = None) -> Optional[Reference]:
+                    chunked: Any = None, frozen: Optional[Callable[[], Reference]] = None) -> Optional[Reference]:
     """The run's reference (None: its objective has none), built on the prepared model
     before any checkpoint is loaded into it: it still holds the starting weights.
-    `chunked`: the chunked head installed on the model, which scores it too."""
+    `chunked`: the chunked head installed on the model, which scores it too. `frozen`:
+    builds preference.reference=frozen's copy (runner/components/objectives/frozen.py,
+    given the run's strategy by the worker)."""
     from runner.components.data import collate_for
     from runner.config.spec import ObjectiveKind, ReferenceMode
     from runner.config.validate import reference_mode
@@ -189,6 +193,9 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
     mode, cache = reference_mode(spec), not spec.model.compile
     if mode is ReferenceMode.adapter_off:
         return AdapterOff(bare, cache, chunked)
+    if mode is ReferenceMode.frozen:
+        assert frozen is not None, "preference.reference=frozen: the worker hands over how to build the copy"
+        return frozen()
     if mode is ReferenceMode.precomputed:
         batch = spec.train.per_device_eval_batch_size or spec.train.per_device_batch_size
         splits = {"train": data.train, "validation": data.validation}
