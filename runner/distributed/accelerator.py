@@ -21,7 +21,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 from accelerate.utils.operations import ConvertOutputsToFp32
 
 from runner.config.spec import PrecisionKind
-from runner.distributed.deepspeed import forget_world_group
+from runner.distributed.zero_patches import forget_world_group
 from runner.distributed.patches import SKIP_OUTPUT_UPCAST, engaged
 from runner.distributed.strategy import MIXED_PRECISION, Strategy
 

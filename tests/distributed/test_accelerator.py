@@ -347,7 +347,7 @@ def test_zero3_fp32_master_shares_the_working_partition_through_training_save_an
     the optimizer's master at the working partition. They must stay one storage through
     optimizer steps, Accelerate's save_state and load_state, and after the load hold the
     saved values, with training continuing exactly as from the saved state."""
-    from runner.distributed.deepspeed import share_zero3_fp32_master
+    from runner.distributed.zero_patches import share_zero3_fp32_master
 
     strategy, accelerator, model, optimizer = _zero3_engine()
     zero = model.optimizer
@@ -378,7 +378,7 @@ def test_zero3_fp32_master_shares_the_working_partition_through_training_save_an
 def test_zero3_master_is_not_shared_unless_it_is_a_true_copy(one_rank_group):
     """On real engines: a bf16 engine's fp32 master is no copy of its bf16 partition, and
     an fp32 master whose values differ from the working partition is never shared."""
-    from runner.distributed.deepspeed import share_zero3_fp32_master
+    from runner.distributed.zero_patches import share_zero3_fp32_master
 
     _, _, bf16, _ = _zero3_engine(PrecisionKind.bf16)
     zero = bf16.optimizer

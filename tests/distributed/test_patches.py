@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from runner.config.spec import PrecisionKind, PrecisionSpec, RunSpec, StrategyKind, StrategySpec
 from runner.distributed import patches
 from runner.distributed.accelerator import build_accelerator, reset_accelerate_state, skip_output_upcast
-from runner.distributed.deepspeed import forget_world_group, share_zero3_fp32_master
+from runner.distributed.zero_patches import forget_world_group, share_zero3_fp32_master
 from runner.distributed.strategies import build_strategy
 from runner.launch.rundir import freeze
 
