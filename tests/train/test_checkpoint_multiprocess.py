@@ -6,12 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from runner.train.checkpoint import complete_checkpoints
 from conftest import patch_train_step
 from conftest import MICRO
+from in_turn import run_in_turn
 from runner.report.parity import parity_problems, step_records
 from runs import DROPOUT_ON, RUN, losses
 from test_checkpoint import kill_9_after_checkpoint, kill_9_at_step, resume_ok, sigterm_after_first_log
@@ -25,12 +27,21 @@ def cmd(run_dir, *extra):
     return [sys.executable, "-m", "runner", *RUN, *DDP, *extra, f"hydra.run.dir={run_dir}"]
 
 
+# The uninterrupted runs the interrupted ones are held to, bit for bit: the same launch
+# settings, so they run in turn on one launch of workers (tests/in_turn.py).
+UNINTERRUPTED = {"ddp": [], "ddp_log_every_3": ["train.log_every=3"], "zero2": ["strategy=zero2"],
+                 "zero3": ["strategy=zero3"], "fsdp": ["strategy=fsdp"]}
+
+
 @pytest.fixture(scope="module")
-def ddp_uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ddp_full") / "run"
-    done = subprocess.run(cmd(run_dir), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return losses(run_dir)
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    return run_in_turn(tmp_path_factory.mktemp("uninterrupted"),
+                       {name: [*RUN, *DDP, *extra] for name, extra in UNINTERRUPTED.items()}, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ddp_uninterrupted(uninterrupted):
+    return losses(uninterrupted["ddp"])
 
 
 def test_ddp_kill_9_then_resume_is_bit_exact(ddp_uninterrupted, tmp_path):
@@ -40,12 +51,10 @@ def test_ddp_kill_9_then_resume_is_bit_exact(ddp_uninterrupted, tmp_path):
     assert losses(run_dir) == ddp_uninterrupted
 
 
-def test_ddp_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
+def test_ddp_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(uninterrupted, tmp_path):
     """Each rank's own pending loss sum and dropout stream: the step-8 checkpoint sits
     inside the 7-9 logging window, and the kill comes after step 9 was logged."""
-    full = tmp_path / "full"
-    done = subprocess.run(cmd(full, "train.log_every=3"), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    full = uninterrupted["ddp_log_every_3"]
     run_dir = tmp_path / "run"
     kill_9_at_step(cmd(run_dir, "train.log_every=3"), run_dir, step=9)
     resume_ok(run_dir, timeout=900)
@@ -88,12 +97,10 @@ def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_zero_kill_9_then_resume_is_bit_exact(tmp_path, strategy):
+def test_zero_kill_9_then_resume_is_bit_exact(uninterrupted, tmp_path, strategy):
     """Under DeepSpeed the checkpoint is the engine's own, sharded per rank, and each
     rank's dropout stream is restored with it: the resumed steps are bit for bit."""
-    full = tmp_path / "full"
-    done = subprocess.run(cmd(full, f"strategy={strategy}"), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    full = uninterrupted[strategy]
     run_dir = tmp_path / "cut"
     kill_9_at_step(cmd(run_dir, f"strategy={strategy}"), run_dir, step=10)  # two steps past the step-8 save
     done = resume_ok(run_dir, timeout=900)
@@ -134,13 +141,11 @@ def test_resume_across_layouts_continues_at_the_exact_sample(tmp_path):
     assert parity_problems(step_records(reference / "metrics.jsonl"), step_records(run_dir / "metrics.jsonl")) == []
 
 
-def test_fsdp_kill_9_then_resume_is_bit_exact(tmp_path):
+def test_fsdp_kill_9_then_resume_is_bit_exact(uninterrupted, tmp_path):
     """FSDP2's checkpoint is one shard per rank (torch.distributed.checkpoint, through
     Accelerate's save_state), restored into the sharded model and optimizer with each
     rank's dropout stream: after kill -9 the resumed steps are bit for bit (dropout on)."""
-    full = tmp_path / "full"
-    done = subprocess.run(cmd(full, "strategy=fsdp"), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    full = uninterrupted["fsdp"]
     run_dir = tmp_path / "cut"
     kill_9_at_step(cmd(run_dir, "strategy=fsdp"), run_dir, step=10)  # two steps past the step-8 save
     checkpoint = complete_checkpoints(run_dir)[-1]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import MICRO
+from in_turn import run_in_turn
 from runner.config.errors import UserError
 from runner.config.validate import check_zero_save
 
@@ -37,11 +35,9 @@ def test_saved_model_is_fp32_and_the_same_under_ddp_zero2_and_zero3_in_bf16(tmp_
     common = [*MICRO, "train.max_steps=2", "optim.lr=1e-6", "precision=bf16", "tracking=none",
               "launch.nproc_per_node=2", "train.per_device_batch_size=4", "train.eval_every=0"]
     weights, banners = {}, {}
-    for strategy in ("ddp", "zero2", "zero3"):
-        run_dir = tmp_path / strategy
-        done = subprocess.run([sys.executable, "-m", "runner", *common, f"strategy={strategy}", f"hydra.run.dir={run_dir}"],
-                              capture_output=True, text=True, timeout=900, env=dict(os.environ))
-        assert done.returncode == 0, f"{strategy}:\n{done.stderr[-3000:]}"
+    # The three share their launch settings: in turn on one launch of workers (tests/in_turn.py).
+    runs = run_in_turn(tmp_path, {s: [*common, f"strategy={s}"] for s in ("ddp", "zero2", "zero3")}, timeout=1800)
+    for strategy, run_dir in runs.items():
         weights[strategy] = _saved_weights(run_dir)
         banners[strategy] = [line for line in (run_dir / "run.log").read_text().splitlines() if " parameters" in line][0]
     assert banners["zero3"] == banners["ddp"] == banners["zero2"]  # ZeRO-3's partitioned parameters counted in full
