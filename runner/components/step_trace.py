@@ -45,6 +45,7 @@ class StepTrace:
     samples: tuple[tuple[int, int], ...]
     seconds: float
     largest_parameter: int = 0  # elements of the model's largest parameter (an embedding or output head)
+    chunked: bool = False  # the loss through the chunked head (model.chunked_loss, not refused by the model)
 
     @property
     def activation_peak(self) -> int:
@@ -185,27 +186,20 @@ def _sampling_tracker(samples: list[tuple[int, int]]) -> Any:
     return Tracker()
 
 
-def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
-               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
-               pairs: bool = False) -> StepTrace:
-    """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
-    run would build (its config, attention implementation, dropout and gradient
-    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
-    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
-    `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
-    sequences, scored as its loss scores them (the chunked head a chunk of pairs at a
-    time: runner/components/chunked_pairs.py; else from the whole logits)."""
+@contextlib.contextmanager
+def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics,
+                peft: Optional[PeftSpec]) -> Iterator[tuple[Any, Any]]:
+    """Within: (the model the run would build, on fake tensors, with its adapters; its
+    chunked loss, or None where the run computes the plain loss). Its config, attention
+    implementation, dropout and gradient checkpointing are the run's."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    start = time.perf_counter()
     low = _low_precision(precision)
     kwargs: dict[str, Any] = {}
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation.value
-    samples: list[tuple[int, int]] = []
-
     if numerics in (Numerics.half, Numerics.half_autocast) and low is not None:
         kwargs["dtype"] = low
 
@@ -229,6 +223,41 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         model = meta_model.to_empty(device="cpu") if adapters else build()  # a frozen base: gradients only for the adapters
         # The loss as the run computes it: chunked, unless the run would fall back (its probe runs on fake tensors too).
         chunked = install_chunked_loss(model)[0] if spec.chunked_loss else None
+        yield model, chunked
+
+
+def _autocast(precision: str, numerics: Numerics) -> Any:
+    """The strategy's autocast for a traced forward (none in fp32 or over low-precision weights)."""
+    import torch
+
+    low = _low_precision(precision)
+    if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast):
+        return torch.autocast("cpu", dtype=low)
+    return contextlib.nullcontext()
+
+
+def _attention(model: Any, gpu_kernels: bool) -> Any:
+    """A GPU's fused attention kernels when asked for and the model runs SDPA (gpu_attention_kernels)."""
+    if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return gpu_attention_kernels()
+    return contextlib.nullcontext()
+
+
+def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
+               numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
+               pairs: bool = False) -> StepTrace:
+    """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
+    run would build (its config, attention implementation, dropout and gradient
+    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
+    counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
+    `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
+    sequences, scored as its loss scores them (the chunked head a chunk of pairs at a
+    time: runner/components/chunked_pairs.py; else from the whole logits)."""
+    import torch
+
+    start = time.perf_counter()
+    samples: list[tuple[int, int]] = []
+    with _fake_model(spec, config, precision, numerics, peft) as (model, chunked):
         model.train()
         parameters = sum(p.numel() for p in model.parameters())
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -237,16 +266,85 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
         ids = torch.zeros(micro_batch * (2 if pairs else 1), block_size, dtype=torch.long)
         tracker = _sampling_tracker(samples)
         tracker.track_external(model)
-        autocast = (torch.autocast("cpu", dtype=low) if low is not None and numerics in (Numerics.autocast, Numerics.half_autocast)
-                    else contextlib.nullcontext())
-        fused = (gpu_attention_kernels() if gpu_kernels and getattr(model.config, "_attn_implementation", None) == "sdpa"
-                 else contextlib.nullcontext())
-        with tracker, fused:
+        with tracker, _attention(model, gpu_kernels):
             if pairs:
-                with autocast:
+                with _autocast(precision, numerics):
                     loss = _pairs_loss(model, chunked, ids)
             else:
-                with autocast, (chunked.labels(ids) if chunked is not None else contextlib.nullcontext()):
+                with _autocast(precision, numerics), (chunked.labels(ids) if chunked is not None
+                                                      else contextlib.nullcontext()):
                     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
-    return StepTrace(parameters, grad_bytes, tuple(samples), time.perf_counter() - start, largest)
+    return StepTrace(parameters, grad_bytes, tuple(samples), time.perf_counter() - start, largest, chunked is not None)
+
+
+@dataclass(frozen=True)
+class EvaluationTrace:
+    """Bytes alive during one traced evaluation batch (forward and scores, no gradient)."""
+
+    peak: int  # activations and temporaries at their most (the model's weights not counted)
+    chunked: bool  # scored through the chunked head: the whole logits never held
+    seconds: float
+
+
+def _evaluation_scores(model: Any, chunked: Any, ids: Any, pairs: bool) -> None:
+    """What evaluation computes of a batch, by the objectives' own functions: a causal LM's
+    per-token scores (causal_lm.evaluation_scores), or each preference sequence's log-probs
+    (through the chunked head a chunk of pairs at a time, else from the whole logits)."""
+    from runner.components.chunked_pairs import forward_pairs
+    from runner.components.objectives.causal_lm import evaluation_scores
+    from runner.components.objectives.preference_loss import sequence_logps
+
+    inputs = {"input_ids": ids, "use_cache": False}
+    if not pairs:
+        evaluation_scores(model, inputs, ids, chunked)
+    elif chunked is not None:
+        forward_pairs(chunked, model, inputs, ids)
+    else:
+        sequence_logps(model(**inputs).logits, ids)
+
+
+def _hidden_temporaries(samples: list[tuple[int, int]]) -> Any:
+    """A dispatch mode adding to `samples` what an operator's kernel holds that its fake
+    kernel does not show: torch.logsumexp computes exp(x - max) at its input's size
+    before reducing it (ATen's logsumexp_out_impl, on a CPU and a GPU alike), and
+    evaluation's plain scores (labels.token_losses) reduce the whole logits so: measured
+    on a CPU, 2.0 x the fp32 logits at their peak where the trace alone shows 1.0."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copies = {torch.ops.aten.logsumexp.default: 1}
+
+    class Hidden(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))  # the tracker below samples what is alive after it
+            if func in copies and samples:
+                activations, grads = samples[-1]
+                samples.append((activations + copies[func] * args[0].nbytes, grads))
+            return out
+
+    return Hidden()
+
+
+def trace_evaluation(spec: ModelSpec, config: Any, batch: int, block_size: int, precision: str,
+                     numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
+                     pairs: bool = False) -> EvaluationTrace:
+    """Trace one evaluation batch of `batch` x `block_size` tokens (`pairs`: of `batch`
+    pairs, two sequences each) as the run evaluates it: in eval mode, under no gradient,
+    scored as its objective scores it. Where the chunked head does not evaluate
+    (model.chunked_loss=false, or a model it refuses), the whole logits and the loss's
+    fp32 temporaries are held: more than the training step's peak at a large evaluation
+    batch."""
+    import torch
+
+    start = time.perf_counter()
+    samples: list[tuple[int, int]] = []
+    with _fake_model(spec, config, precision, numerics, peft) as (model, chunked):
+        model.eval()
+        ids = torch.zeros(batch * (2 if pairs else 1), block_size, dtype=torch.long)
+        tracker = _sampling_tracker(samples)
+        tracker.track_external(model)
+        with tracker, _hidden_temporaries(samples), _attention(model, gpu_kernels), _autocast(precision, numerics), \
+                torch.no_grad():
+            _evaluation_scores(model, chunked, ids, pairs)
+    return EvaluationTrace(max((a for a, _ in samples), default=0), chunked is not None, time.perf_counter() - start)

@@ -4,7 +4,13 @@ micro-batch, in a scratch folder, on the same workers and strategy, confirms tha
 measured peak stays within the budget (else the next smaller micro-batch is tried). The
 accumulation is then derived from the global batch, so the learning-rate schedule and
 the sample order (runner/components/data.py's sampler deals global batches) do not
-depend on the choice: a resume on other hardware may choose again, as any layout change."""
+depend on the choice: a resume on other hardware may choose again, as any layout change.
+
+The probe runs no evaluation; the plan counts it (fit.Planner): an evaluation batch left
+unset follows the micro-batch, so the one proposed evaluates within the budget too; a
+given train.per_device_eval_batch_size is kept, and where it alone does not fit (what
+evaluation holds does not depend on the micro-batch) auto refuses, naming the
+evaluation batch that fits."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Callable, Optional
 from runner.config.batch import accumulation_for
 from runner.config.errors import UserError
 from runner.config.spec import RunSpec, TrackingKind, save_spec
-from runner.launch.fit import WAYS_OUT, Budget, Planner, gib
+from runner.launch.fit import Budget, Planner, decided, gib, nothing_fits
 from runner.train.worker import PROBE_FILENAME
 
 AUTO = "auto"
@@ -62,9 +68,11 @@ def set_micro_batch(spec: RunSpec, micro_batch: int, world: int) -> None:
 def propose(spec: RunSpec, planner: Planner, room: Budget, world: int) -> str:
     """The dry run's choice: the plan's proposal, unconfirmed (no probe). Sets the spec."""
     t = spec.train
-    proposed = planner.largest_micro_batch(spec.strategy.kind.value, t.global_batch_size // world, room.bytes_per_rank)
+    strategy, share = spec.strategy.kind.value, t.global_batch_size // world
+    proposed = planner.largest_micro_batch(strategy, share, room.bytes_per_rank)
     if proposed is None:
-        return "train.per_device_batch_size=auto: no micro-batch is predicted to fit (see the plan below)"
+        return (f"train.per_device_batch_size=auto: no micro-batch is predicted to fit (see the plan below): "
+                f"{nothing_fits(planner, strategy, share, room.bytes_per_rank)}")
     set_micro_batch(spec, proposed, world)
     return (f"train.per_device_batch_size=auto would choose {proposed} per device x {t.grad_accum_steps} accumulation "
             "(the plan's proposal; a real run confirms it with a two-step probe first)")
@@ -120,8 +128,8 @@ def choose(spec: RunSpec, planner: Planner, room: Budget, world: int,
     proposed = planner.largest_micro_batch(strategy, share, room.bytes_per_rank)
     if proposed is None:
         raise UserError(f"train.per_device_batch_size=auto: not even a micro-batch of 1 is predicted to fit in "
-                        f"{gib(room.bytes_per_rank)} per rank on {room.described} under {strategy}. Choose "
-                        f"{WAYS_OUT}.")
+                        f"{gib(room.bytes_per_rank)} per rank on {room.described} under {strategy}: "
+                        f"{nothing_fits(planner, strategy, share, room.bytes_per_rank)}.")
     candidates = [d for d in range(proposed, 0, -1) if share % d == 0]
     tried: list[str] = []
     for b in candidates:
@@ -130,10 +138,11 @@ def choose(spec: RunSpec, planner: Planner, room: Budget, world: int,
         peak, why = run_probe(spec, b, launch)
         if peak is not None and peak <= room.bytes_per_rank:
             set_micro_batch(spec, b, world)
-            estimate = planner.estimate(strategy, b, t.grad_accum_steps).device_total
+            estimate = planner.estimate(strategy, b, t.grad_accum_steps)
             return (f"train.per_device_batch_size=auto chose {b} per device x {world} process(es) x "
                     f"{t.grad_accum_steps} accumulation = global batch {t.global_batch_size} (estimated peak "
-                    f"{gib(estimate)}, measured {gib(peak)}, of {gib(room.bytes_per_rank)} per rank"
+                    f"{gib(estimate.device_total)}{decided(estimate)}, measured {gib(peak)}, of "
+                    f"{gib(room.bytes_per_rank)} per rank"
                     + (f"; {', '.join(tried)}" if tried else "") + ")")
         tried.append(f"{b} failed ({why})" if peak is None else f"{b} measured {gib(peak)}, over")
     raise UserError(f"train.per_device_batch_size=auto: no micro-batch ran within {gib(room.bytes_per_rank)} per "

@@ -31,10 +31,10 @@ def report(spec: RunSpec, data: PreparedData | StreamedData, world_size: int, pl
     )
     mine = planner.estimate(plan.strategy)
     lines = verdict_lines(planner, COMPARED_STRATEGIES, room)
-    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, mine)}\n" + "\n".join(lines)
+    return f"{spec_to_yaml(spec)}\n{dry_run_report(plan, mine, planner.eval_batch())}\n" + "\n".join(lines)
 
 
-def dry_run_report(plan: RunPlan, estimate: MemoryEstimate) -> str:
+def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, eval_batch: int) -> str:
     p = plan
     lines = [
         "runner: dry run (nothing trained, no run folder written)",
@@ -55,7 +55,12 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate) -> str:
         f"    buffers       {gib(estimate.buffers)}  (DDP's gradient buckets; ZeRO's reduce bucket and gathered parameters; FSDP's gathered root and layers)",
         f"    activations   {gib(estimate.activations)}  (one micro-batch traced on fake tensors, with the gradients "
         "backward holds beside them)",
-        f"    peak          {gib(estimate.device_total)}"
+        (f"    evaluation    {gib(estimate.evaluation_total)}  (the states allocated between steps and one evaluation "
+         f"batch of {eval_batch} traced: train.per_device_eval_batch_size, else the micro-batch)"
+         if estimate.evaluation is not None else
+         f"    evaluation    below the step  (the chunked head evaluating a batch of {eval_batch}, no larger than "
+         "the micro-batch: not traced)"),
+        f"    peak          {gib(estimate.device_total)}  ({estimate.decided_by})"
         + (f"  (+ {gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
     ]
     return "\n".join(lines)

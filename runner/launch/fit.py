@@ -1,7 +1,8 @@
 """Will it fit: each rank's peak memory (model states, strategy buffers and one traced
-micro-batch's activations) against the memory of the device the run is on or names
-(`launch.device_memory`), the largest micro-batch that fits at the same global batch,
-and the refusal of a run predicted not to fit (`launch.check_fit`)."""
+micro-batch's activations, or one evaluation batch's where evaluation holds more) against
+the memory of the device the run is on or names (`launch.device_memory`), the largest
+micro-batch that fits at the same global batch, and the refusal of a run predicted not
+to fit (`launch.check_fit`), naming what decides it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.model import build_config, count_parameters, count_trainable_parameters, layer_parameters
-from runner.components.step_trace import Numerics, StepTrace, trace_step
+from runner.components.step_trace import EvaluationTrace, Numerics, StepTrace, trace_evaluation, trace_step
 from runner.config.errors import UserError
 from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, ReferenceMode, RunSpec
 from runner.config.validate import reference_mode
-from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations
+from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations, with_evaluation
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
 # A name with no size picks the larger variant (A100 -> 80); `A100-40GB` names the other.
@@ -156,6 +157,7 @@ class Planner:
         built until an estimate is asked for (a run with launch.check_fit=false asks none)."""
         self.spec, self.block_size, self.world, self.gpu = spec, block_size, world, gpu
         self._traces: dict[tuple[int, Numerics], StepTrace] = {}
+        self._evaluations: dict[tuple[int, Numerics], EvaluationTrace] = {}
         # A preference objective's micro-batch is pairs: twice as many sequences.
         self.pairs = spec.train.objective is ObjectiveKind.dpo
         self.frozen = self.pairs and reference_mode(spec) is ReferenceMode.frozen  # a second copy of the weights
@@ -176,10 +178,26 @@ class Planner:
                                            peft=self.spec.peft, pairs=self.pairs)
         return self._traces[key]
 
+    def evaluation(self, batch: int, how: Numerics) -> EvaluationTrace:
+        key = (batch, how)
+        if key not in self._evaluations:
+            self._evaluations[key] = trace_evaluation(self.spec.model, self.config, batch, self.block_size,
+                                                      self.spec.precision.kind.value, how, gpu_kernels=self.gpu,
+                                                      peft=self.spec.peft, pairs=self.pairs)
+        return self._evaluations[key]
+
+    def eval_batch(self, micro_batch: Optional[int] = None) -> int:
+        """The evaluation batch the run uses at `micro_batch`: train.per_device_eval_batch_size,
+        else the micro-batch (runner/train/loaders.py)."""
+        return self.spec.train.per_device_eval_batch_size or micro_batch or self.spec.train.per_device_batch_size
+
     def estimate(self, strategy: str, micro_batch: Optional[int] = None, grad_accum_steps: Optional[int] = None,
-                 own_offload: bool = True) -> MemoryEstimate:
-        """Rank peak under `strategy` at `micro_batch` (default: the spec's). The spec's
-        offload options apply when `own_offload` (the run's own strategy)."""
+                 own_offload: bool = True, eval_batch: Optional[int] = None,
+                 bounded_untraced: bool = True) -> MemoryEstimate:
+        """Rank peak under `strategy` at `micro_batch` (default: the spec's), its training
+        step's or its evaluation's (at `eval_batch`, default: the run's at that micro-batch).
+        The spec's offload options apply when `own_offload` (the run's own strategy).
+        `bounded_untraced`: an evaluation the training step bounds is not traced (below)."""
         s = self.spec
         precision = s.precision.kind.value
         offload_opt = own_offload and s.strategy.offload_optimizer is OffloadDevice.cpu
@@ -187,23 +205,52 @@ class Planner:
         states = estimate_for(self.shape, strategy, precision, self.world, offload_opt, offload_par, self.frozen)
         b = micro_batch or s.train.per_device_batch_size
         accum = grad_accum_steps if grad_accum_steps is not None else s.train.grad_accum_steps
-        return with_activations(states, self.trace(b, numerics(strategy, precision)), strategy, self.world, accum)
+        how, evaluated = numerics(strategy, precision), eval_batch or self.eval_batch(b)
+        trace = self.trace(b, how)
+        training = with_activations(states, trace, strategy, self.world, accum)
+        if bounded_untraced and trace.chunked and evaluated <= b:
+            # The chunked head evaluating a batch no larger than the micro-batch holds less
+            # than the step's forward (the same forward without what it saves for backward,
+            # and a chunk's logits as the loss's): not traced.
+            return training
+        return with_evaluation(training, self.evaluation(evaluated, how).peak, strategy)
 
     def largest_micro_batch(self, strategy: str, per_rank_batch: int, limit: float,
-                            own_offload: bool = True) -> Optional[int]:
+                            own_offload: bool = True, evaluation: bool = True) -> Optional[int]:
         """The largest micro-batch dividing `per_rank_batch` (so an integer accumulation keeps
         the global batch) whose peak stays within `limit` bytes; None if not even 1 fits.
+        `evaluation`: the run's evaluation counts (else the training step's peak alone).
         Peaks grow with the micro-batch, so a binary search over the divisors."""
         divisors = [d for d in range(1, per_rank_batch + 1) if per_rank_batch % d == 0]
-        lo, hi, best = 0, len(divisors) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            b = divisors[mid]
-            if self.estimate(strategy, b, per_rank_batch // b, own_offload).device_total <= limit:
-                best, lo = b, mid + 1
-            else:
-                hi = mid - 1
-        return best
+
+        def fits(b: int) -> bool:
+            estimate = self.estimate(strategy, b, per_rank_batch // b, own_offload)
+            return (estimate.device_total if evaluation else estimate.training_total) <= limit
+
+        return _largest(divisors, fits)
+
+    def largest_eval_batch(self, strategy: str, limit: float, below: int,
+                           micro_batch: Optional[int] = None) -> Optional[int]:
+        """The largest evaluation batch under `below` whose evaluation stays within `limit`
+        bytes (at `micro_batch`, default the run's: what is allocated while evaluating does
+        not depend on it); None if not even 1 does."""
+        def fits(e: int) -> bool:
+            return self.estimate(strategy, micro_batch, eval_batch=e, bounded_untraced=False).evaluation_total <= limit
+
+        return _largest(list(range(1, below)), fits)
+
+
+def _largest(sizes: list[int], fits: Any) -> Optional[int]:
+    """The largest of ascending `sizes` that `fits`, which holds up to some size and not
+    beyond (peaks grow with the batch): a binary search; None if none fits."""
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def gib(n_bytes: float) -> str:
@@ -221,23 +268,85 @@ def per_rank_batch(spec: RunSpec) -> int:
     return spec.train.per_device_batch_size * spec.train.grad_accum_steps
 
 
+def decided(estimate: MemoryEstimate) -> str:
+    """" (evaluation)" where evaluation is the peak; nothing where the training step is."""
+    return " (evaluation)" if estimate.decided_by == "evaluation" else ""
+
+
 def verdict_lines(planner: Planner, strategies: tuple[str, ...], room: Budget) -> list[str]:
-    """For each strategy: its peak, whether it fits `room`, the headroom, and the largest
-    micro-batch that fits at the same global batch."""
+    """For each strategy: its peak (marked where evaluation decides it), whether it fits
+    `room`, the headroom, and the largest micro-batch that fits at the same global batch."""
     spec, world = planner.spec, planner.world
     share = per_rank_batch(spec)
     global_batch = share * world
     lines = [f"  fits on {room.described}? per rank, global batch {global_batch} kept:"]
     for strategy in strategies:
         own = strategy == spec.strategy.kind.value
-        peak = planner.estimate(strategy, own_offload=own).device_total
-        largest = planner.largest_micro_batch(strategy, share, room.bytes_per_rank, own_offload=own)
+        estimate = planner.estimate(strategy, own_offload=own)
+        peak = estimate.device_total
         verdict = (f"fits, {gib(room.bytes_per_rank - peak)} headroom" if peak <= room.bytes_per_rank
                    else f"does not fit ({gib(peak - room.bytes_per_rank)} over)")
-        best = ("no micro-batch fits, not even 1" if largest is None else
-                f"largest micro-batch {largest} x {share // largest} accumulation")
-        lines.append(f"    {strategy:<6} peak {gib(peak):>11}  {verdict}; {best}")
+        lines.append(f"    {strategy:<6} peak {gib(peak):>11}{decided(estimate)}  {verdict}; "
+                     f"{_best(planner, strategy, share, room.bytes_per_rank, own)}")
     return lines
+
+
+def _best(planner: Planner, strategy: str, share: int, limit: float, own: bool) -> str:
+    """The largest micro-batch that fits with its evaluation; where none does only because
+    of a given evaluation batch (what evaluation holds does not depend on the micro-batch),
+    the largest whose training step fits, and that the evaluation batch does not."""
+    largest = planner.largest_micro_batch(strategy, share, limit, own_offload=own)
+    if largest is not None:
+        return f"largest micro-batch {largest} x {share // largest} accumulation"
+    trained = (planner.largest_micro_batch(strategy, share, limit, own_offload=own, evaluation=False)
+               if planner.spec.train.per_device_eval_batch_size else None)
+    if trained is None:
+        return "no micro-batch fits, not even 1"
+    return (f"largest micro-batch {trained} x {share // trained} accumulation, but not its evaluation at batch "
+            f"{planner.eval_batch()} (train.per_device_eval_batch_size)")
+
+
+def evaluation_fix(planner: Planner, strategy: str, limit: float, micro_batch: Optional[int] = None) -> str:
+    """What makes the run's evaluation fit: the largest evaluation batch that does, or
+    model.chunked_loss=true where the chunked head would evaluate (it is off, not refused)."""
+    spec, batch = planner.spec, planner.eval_batch(micro_batch)
+    estimate = planner.estimate(strategy, micro_batch, eval_batch=batch, bounded_untraced=False)
+    chunked = planner.evaluation(batch, numerics(strategy, spec.precision.kind.value)).chunked
+    held = "" if chunked else ", the whole logits and the loss's fp32 temporaries"
+    largest = planner.largest_eval_batch(strategy, limit, batch, micro_batch)
+    fix = ("not even an evaluation batch of 1 fits" if largest is None else
+           f"train.per_device_eval_batch_size={largest} fits")
+    if not spec.model.chunked_loss:
+        fix += " (or model.chunked_loss=true: evaluation through the chunked head, without the whole logits)"
+    elif largest is None:
+        fix += f"; choose {WAYS_OUT}"
+    return f"evaluation at batch {batch} needs {gib(estimate.evaluation_total)}{held}: {fix}"
+
+
+def fit_fixes(planner: Planner, strategy: str, estimate: MemoryEstimate, limit: float) -> str:
+    """What to change: the evaluation batch where evaluation does not fit, a smaller
+    micro-batch (more accumulation) where the training step does not. An evaluation batch
+    left unset follows the micro-batch: where both are over, a smaller micro-batch that
+    fits with its evaluation is the one change."""
+    share = per_rank_batch(planner.spec)
+    explicit = planner.spec.train.per_device_eval_batch_size is not None
+    training_over = estimate.training_total > limit
+    fixes = ([evaluation_fix(planner, strategy, limit)]
+             if estimate.evaluation_total > limit and (explicit or not training_over) else [])
+    if training_over:
+        largest = planner.largest_micro_batch(strategy, share, limit, evaluation=not fixes)
+        fixes.append(f"no micro-batch fits: choose {WAYS_OUT}" if largest is None else
+                     f"train.per_device_batch_size={largest} train.grad_accum_steps={share // largest} keeps the "
+                     f"global batch {share * planner.world} and fits")
+    return "; ".join(fixes)
+
+
+def nothing_fits(planner: Planner, strategy: str, share: int, limit: float) -> str:
+    """What to change when not even a micro-batch of 1 is predicted to fit: its evaluation's
+    batch where evaluation alone does not fit, else another layout (WAYS_OUT)."""
+    if planner.estimate(strategy, 1, share).training_total <= limit:
+        return evaluation_fix(planner, strategy, limit, 1)
+    return f"choose {WAYS_OUT}"
 
 
 def check_fit(spec: RunSpec, planner: Planner, room: Budget) -> None:
@@ -246,19 +355,15 @@ def check_fit(spec: RunSpec, planner: Planner, room: Budget) -> None:
         return
     strategy = spec.strategy.kind.value
     try:
-        peak = planner.estimate(strategy).device_total
+        estimate = planner.estimate(strategy)
     except Exception as err:  # a model the fake-tensor trace cannot run must still train
         sys.stderr.write(f"runner: note: no memory plan for this model ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); the run starts unchecked\n")
         return
+    peak = estimate.device_total
     if peak <= room.bytes_per_rank:
         return
-    share = per_rank_batch(spec)
-    largest = planner.largest_micro_batch(strategy, share, room.bytes_per_rank)
-    fix = (f"no micro-batch fits: choose {WAYS_OUT}" if largest is None else
-           f"train.per_device_batch_size={largest} train.grad_accum_steps={share // largest} keeps the global batch "
-           f"{share * planner.world} and fits")
-    raise UserError(f"this run is predicted not to fit: {gib(peak)} per rank under {strategy} at micro-batch "
-                    f"{spec.train.per_device_batch_size}, {gib(room.bytes_per_rank)} available on {room.described}; "
-                    f"{fix} (dry_run=true shows the plan; launch.check_fit=false starts it anyway).")
-
+    raise UserError(f"this run is predicted not to fit: {gib(peak)} per rank{decided(estimate)} under {strategy} at "
+                    f"micro-batch {spec.train.per_device_batch_size}, {gib(room.bytes_per_rank)} available on "
+                    f"{room.described}; {fit_fixes(planner, strategy, estimate, room.bytes_per_rank)} (dry_run=true "
+                    "shows the plan; launch.check_fit=false starts it anyway).")

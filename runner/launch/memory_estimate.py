@@ -34,6 +34,10 @@ class MemoryEstimate:
     # A frozen reference's weights (preference.reference=frozen): sharded as the policy's are,
     # with no gradients, optimizer state or buffers at the step's peak.
     reference: float = 0.0
+    # One evaluation batch's forward and scores (with_evaluation), and the gradients still
+    # allocated while it runs; None when not traced (below the training step's: fit.Planner).
+    evaluation: Optional[float] = None
+    grads_in_evaluation: float = 0.0
 
     @property
     def states_total(self) -> float:
@@ -41,13 +45,30 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.buffers + self.reference
 
     @property
-    def device_total(self) -> float:
-        """The rank's peak: the states, and at backward's peak the activations beside the
-        gradients held then, whichever is more (the optimizer step holds every gradient
-        and no activation)."""
+    def training_total(self) -> float:
+        """The training step's peak: the states, and at backward's peak the activations
+        beside the gradients held then, whichever is more (the optimizer step holds every
+        gradient and no activation)."""
         at_rest = self.grads if self.grads_at_rest is None else self.grads_at_rest
         held = self.params + self.reference + self.optimizer + self.buffers
         return held + max(self.grads, at_rest + self.activations)
+
+    @property
+    def evaluation_total(self) -> float:
+        """Evaluation's peak: what stays allocated between steps (weights, optimizer state,
+        buffers, the gradients a strategy keeps) and one evaluation batch's forward."""
+        held = self.params + self.reference + self.optimizer + self.buffers
+        return held + self.grads_in_evaluation + (self.evaluation or 0.0)
+
+    @property
+    def device_total(self) -> float:
+        """The rank's peak: the training step's or the evaluation's, whichever is more."""
+        return max(self.training_total, self.evaluation_total)
+
+    @property
+    def decided_by(self) -> str:
+        """Which of the two is the peak (a word for the plan's lines)."""
+        return "evaluation" if self.evaluation_total > self.training_total else "training step"
 
 
 class Traced(Protocol):
@@ -91,6 +112,18 @@ def with_activations(estimate: MemoryEstimate, traced: Traced, strategy: str, wo
         at_rest, share = 0.0, 0.0
     activations = float(traced.peak_with_gradients(share, unreduced))
     return replace(estimate, activations=activations, grads_at_rest=at_rest)
+
+
+def with_evaluation(estimate: MemoryEstimate, evaluation: float, strategy: str) -> MemoryEstimate:
+    """The estimate with one evaluation batch's traced peak (`evaluation` bytes: the
+    activations and temporaries of its forward and scores) and the gradients allocated
+    while it runs. Evaluation follows an optimizer step, after the trainer's
+    zero_grad(set_to_none=True): torch's own `.grad` is freed then (ddp, fsdp; DDP's
+    buckets stay, in `buffers`), while DeepSpeed keeps its flat gradient partitions
+    allocated for the run's life (ZeRO-3's grad_partitions_flat_buffer; ZeRO-2's counted
+    so too, as its training plan holds it throughout): counted under zero2 and zero3."""
+    held = estimate.grads if strategy in ZERO else 0.0
+    return replace(estimate, evaluation=float(evaluation), grads_in_evaluation=held)
 
 
 def _layer(hidden_size: int, layer_parameters: Optional[int]) -> float:

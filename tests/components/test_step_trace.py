@@ -3,7 +3,7 @@
 import pytest
 from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
-from runner.components.step_trace import Numerics, trace_step
+from runner.components.step_trace import Numerics, trace_evaluation, trace_step
 from runner.config.spec import ModelSpec
 
 GPT2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128)
@@ -109,3 +109,18 @@ def test_a_preference_micro_batch_is_traced_as_its_two_sequences_a_pair(chunked)
     assert 0.9 * blocks < pairs < 1.15 * blocks, (pairs, blocks)
     if chunked:
         assert peak(GPT2, True, 4, pairs=True) < 0.75 * peak(GPT2, False, 4, pairs=True)
+
+
+def test_a_preference_evaluation_is_traced_on_its_pairs_logits_unless_chunked():
+    """A preference evaluation of 4 pairs scores 8 sequences: from their whole logits
+    (2 x 8 x 64 x 50,257 x 4 bytes with logsumexp's temporary), as a text evaluation of 8
+    blocks holds them; through the chunked pair head a chunk of pairs at a time."""
+    def peak(chunked: bool, batch: int, pairs: bool) -> int:
+        return trace_evaluation(ModelSpec(chunked_loss=chunked), GPT2, batch, 64, "fp32", Numerics.fp32,
+                                pairs=pairs).peak
+
+    logits = 8 * 64 * 50257 * 4
+    plain_pairs, plain_blocks = peak(False, 4, True), peak(False, 8, False)
+    assert 1.95 * logits <= plain_pairs < 2.2 * logits  # the temporary: all tokens but the last
+    assert 0.95 * plain_blocks < plain_pairs <= plain_blocks  # the blocks' scores also hold an argmax
+    assert peak(True, 4, True) < 0.6 * plain_pairs

@@ -267,3 +267,122 @@ def test_a_frozen_reference_adds_its_weights_sharded_as_the_policys(compose_spec
     assert grown == pytest.approx(weights * share, rel=1e-9), (strategy, grown, weights)
     assert plans["frozen"].states_total - plans["precomputed"].states_total == pytest.approx(grown)
     assert plans["frozen"].params == plans["precomputed"].params and plans["frozen"].buffers == plans["precomputed"].buffers
+
+
+# Evaluation in the plan: GPT-2's vocabulary at block 256, as issue 46 measured it (920 MB RSS
+# at evaluation batch 1, 3,933 MB at 32, for a plan of the training step alone).
+EVALUATING = ["recipe=gpt2_clm_tiny", "model.config_overrides='n_embd=64,n_layer=2,n_head=4,n_positions=256'",
+              "data.block_size=256", "train.per_device_batch_size=1"]
+PLAIN = "model.chunked_loss=false"
+
+
+def measured_evaluation_peak(spec) -> float:
+    """What a trained model holds while it evaluates one batch of
+    train.per_device_eval_batch_size x 256 tokens as the run does
+    (causal_lm.evaluation_scores, under no gradient): its weights, AdamW's state (a step
+    taken, its gradients freed as the trainer's step ends), counted tensor by tensor, and
+    the evaluation's live tensor bytes at their most, by the allocator's running total in
+    torch profiler's allocation events: bench/tensor_peak's instrument (the CPU's
+    torch.cuda.max_memory_allocated)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.components.model import build_config
+    from runner.components.objectives.causal_lm import evaluation_scores
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench" / "tensor_peak"))
+    import step_peak
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(spec.model))
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 50257, (1, 256))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # as the trainer's step ends, before an evaluation
+    held = [*model.parameters(), *(t for state in optimizer.state.values() for t in state.values())]
+    resident = sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t for t in held}.values())
+    model.eval()
+    ids = torch.randint(0, 50257, (spec.train.per_device_eval_batch_size, 256))
+    profile = step_peak.start_profile()  # counts what is allocated from here on
+    with torch.profiler.record_function(step_peak.MARKER), torch.no_grad():
+        evaluation_scores(model, {"input_ids": ids, "use_cache": False}, ids, None)
+    return float(resident + step_peak.peak_in_marker(profile))
+
+
+def test_an_evaluation_holding_the_whole_logits_is_the_planned_peak(compose_spec):
+    """model.chunked_loss=false, evaluation batch 8: the plan's peak is the evaluation's
+    (the whole fp32 logits and logsumexp's temporary of their size, 2 x 8 x 256 x 50,257 x 4
+    bytes), and within 15% of the measured one: 834.6 MiB planned for 821.9 MiB measured
+    (before: 208.3 MiB planned, the training step's alone)."""
+    spec = compose_spec(*EVALUATING, PLAIN, "train.per_device_eval_batch_size=8")
+    estimate = fit.Planner(spec, 256, 1).estimate("ddp")
+    measured = measured_evaluation_peak(spec)
+    logits = 8 * 256 * 50257 * 4
+    assert measured > 2 * logits  # what the old plan, the training step's alone, left out
+    assert estimate.decided_by == "evaluation" and estimate.evaluation_total > 2 * estimate.training_total
+    assert estimate.device_total == estimate.evaluation_total
+    assert 0.85 < estimate.device_total / measured < 1.15, (estimate.device_total, measured)
+
+
+def test_a_run_whose_evaluation_does_not_fit_is_refused_naming_the_evaluation_batch(compose_spec):
+    """The training step fits, its evaluation does not: refused in one line (exit 2) naming
+    evaluation, the evaluation batch that fits and the chunked head; that batch fits."""
+    planner = fit.Planner(compose_spec(*EVALUATING, PLAIN, "train.per_device_eval_batch_size=8"), 256, 1)
+    estimate = planner.estimate("ddp")
+    room = fit.Budget((estimate.training_total + estimate.evaluation_total) / 2, "1 x test", True)
+    with pytest.raises(UserError) as refused:
+        fit.check_fit(planner.spec, planner, room)
+    message = refused.value.render()
+    assert "\n" not in message.strip() and "per rank (evaluation) under ddp at micro-batch 1" in message
+    largest = int(message.split("train.per_device_eval_batch_size=")[1].split()[0])
+    assert 1 <= largest < 8
+    assert "or model.chunked_loss=true" in message and "train.per_device_batch_size=" not in message
+    assert planner.estimate("ddp", eval_batch=largest).device_total <= room.bytes_per_rank
+    assert planner.estimate("ddp", eval_batch=largest + 1).device_total > room.bytes_per_rank
+
+
+def test_auto_keeps_a_given_evaluation_batch_and_refuses_when_only_it_does_not_fit(compose_spec):
+    """train.per_device_batch_size=auto with a given evaluation batch that does not fit at
+    any micro-batch (what evaluation holds does not depend on it): refused before any
+    probe runs, naming the evaluation batch that fits. Left unset, the evaluation batch
+    follows the micro-batch, so the micro-batch chosen is one whose evaluation fits too."""
+    from runner.launch import auto_batch
+
+    spec = compose_spec(*EVALUATING, PLAIN, "train.per_device_eval_batch_size=32", "train.per_device_batch_size=auto",
+                        "train.global_batch_size=8")
+    planner = fit.Planner(spec, 256, 1)
+    training = planner.estimate("ddp", 8, 1)
+    room = fit.Budget((training.training_total + training.evaluation_total) / 2, "1 x test", True)
+    assert planner.largest_micro_batch("ddp", 8, room.bytes_per_rank, evaluation=False) == 8  # the old choice
+    assert planner.largest_micro_batch("ddp", 8, room.bytes_per_rank) is None
+    probes = []
+    with pytest.raises(UserError) as refused:
+        auto_batch.choose(spec, planner, room, 1, lambda *args: probes.append(args))
+    assert probes == []
+    assert "evaluation at batch 32 needs" in refused.value.render()
+    assert "train.per_device_eval_batch_size=" in refused.value.render()
+    follows = fit.Planner(compose_spec(*EVALUATING, PLAIN), 256, 1)  # the evaluation batch unset
+    assert follows.eval_batch(4) == 4
+    assert follows.estimate("ddp", 4, 2).evaluation == follows.evaluation(4, fit.Numerics.fp32).peak
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_with_the_chunked_head_evaluating_the_plan_is_unchanged(compose_spec, strategy):
+    """The default (model.chunked_loss=true), evaluating at the micro-batch: the plan's
+    peak is the training step's, as before evaluation was planned. Its evaluation is not
+    traced there, and traced it holds less than the step (a chunk's logits)."""
+    from runner.launch.memory_estimate import with_evaluation
+
+    planner = fit.Planner(compose_spec(*EVALUATING, "train.per_device_batch_size=4"), 256, 2)
+    estimate = planner.estimate(strategy)
+    how = fit.numerics(strategy, "fp32")
+    before = with_activations(fit.estimate_for(planner.shape, strategy, "fp32", 2), planner.trace(4, how), strategy, 2)
+    assert estimate.device_total == before.device_total and estimate.decided_by == "training step"
+    assert estimate.evaluation is None  # not traced
+    traced = planner.evaluation(4, how)
+    assert traced.chunked and traced.peak < 4 * 256 * 50257 * 4  # less than the whole logits once: a chunk's, twice
+    assert with_evaluation(before, traced.peak, strategy).evaluation_total < before.training_total

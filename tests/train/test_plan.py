@@ -31,6 +31,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert f"epochs of {per_epoch:,} steps)" in out
     assert "parameters      3,324,736" in out
     assert "buffers       " in out and "activations   " in out
+    # evaluation planned beside the step (chunked by default: the training step decides)
+    assert "\n    evaluation    below the step  (the chunked head evaluating a batch of 8, no larger than " in out
+    assert re.search(r"\n    peak +[\d.,]+ MiB  \(training step\)", out)
     # each strategy's verdict on this machine's host memory, at the same global batch
     assert re.search(r"fits on this machine's host memory \([\d.]+ GiB available, 2 rank\(s\)\)\? per rank, "
                      r"global batch 32 kept:", out)

@@ -39,6 +39,23 @@ def perplexity(loss: float) -> float:
         return float("inf")
 
 
+def evaluation_scores(model: Any, inputs: dict[str, Any], labels: torch.Tensor,
+                      chunked: Optional[ChunkedLoss]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token losses, trained mask, correct predictions) of one evaluation forward,
+    aligned with labels[:, 1:]. Through the chunked head when installed: the whole logits
+    in fp32 would be the largest thing evaluation holds (GPT-2's vocabulary: 200 KB a
+    token), larger than the training step's planned peak. Without it they are held, with
+    the loss's temporaries: the memory plan traces this function (runner/components/
+    step_trace.py trace_evaluation)."""
+    if chunked is not None:
+        scores = chunked.scores(model, inputs, labels)
+        return scores.losses, scores.trained, scores.correct
+    logits = model(**inputs).logits
+    token_loss, trained = token_losses(logits, labels)
+    predicted = logits[:, :-1].argmax(-1) == labels[:, 1:]
+    return token_loss, trained, predicted & trained
+
+
 class CausalLM(Objective):
     figures = ("eval_loss", "perplexity", "eval_accuracy")
     summarised = ("eval_loss", "perplexity")
@@ -96,17 +113,8 @@ class CausalLM(Objective):
 
     def token_scores(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(per-token losses, trained mask, correct predictions) of one evaluation batch,
-        aligned with labels[:, 1:]. Through the chunked head when installed: the whole
-        logits in fp32 would be the largest thing evaluation holds (GPT-2's vocabulary:
-        200 KB a token), larger than the training step's planned peak."""
-        inputs = model_inputs(batch, cache=not self.compiled)
-        if self.chunked is not None:
-            scores = self.chunked.scores(model, inputs, batch["labels"])
-            return scores.losses, scores.trained, scores.correct
-        logits = model(**inputs).logits
-        token_loss, trained = token_losses(logits, batch["labels"])
-        predicted = logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
-        return token_loss, trained, predicted & trained
+        aligned with labels[:, 1:] (evaluation_scores)."""
+        return evaluation_scores(model, model_inputs(batch, cache=not self.compiled), batch["labels"], self.chunked)
 
     def eval_figures(self, rows: dict[str, torch.Tensor]) -> dict[str, float]:
         tokens = rows["tokens"].sum().clamp(min=1)
