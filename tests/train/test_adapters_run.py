@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runs import cmd, losses, run_cli
-from test_checkpoint import kill_9_after_checkpoint, resume_ok
+from test_checkpoint import kill_9_after_checkpoint, resumed_here
 
 pytestmark = [pytest.mark.e2e]
 
@@ -86,7 +86,7 @@ def test_kill_9_then_resume_continues_bit_for_bit_with_dropout_on(base, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir, *lora(base)), run_dir, step=12)
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == losses(full)  # every step, bit for bit
 
 

@@ -60,7 +60,16 @@ def sigterm_after_first_log(command: list[str], run_dir: Path, timeout: int) -> 
     return proc.returncode, err
 
 
-def resume_ok(run_dir: Path) -> Ran:
+def resume_ok(run_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`--resume auto` in a process of its own: a launch of several processes (the
+    launcher's forkserver would otherwise outlive the test in pytest's process)."""
+    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def resumed_here(run_dir: Path) -> Ran:
+    """`--resume auto` of a 1-process run, in this process (runs.run_cli)."""
     done = run_cli(resume_cmd(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -94,7 +103,7 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir), run_dir)
-    done = resume_ok(run_dir)
+    done = resumed_here(run_dir)
     assert "resuming from" in done.stderr
     assert losses(run_dir) == uninterrupted  # every step, bit for bit, dropout on
 
@@ -108,7 +117,7 @@ def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     kill_9_at_step(cmd(run_dir, "train.log_every=3"), run_dir, step=9)  # logged 9, checkpoint 8 complete
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == losses(full)
     assert sorted(losses(run_dir)) == list(range(3, 25, 3))
     resumed, reference = (json.loads((d / "all_results.json").read_text()) for d in (run_dir, full))
@@ -242,7 +251,7 @@ def test_a_resume_at_the_last_step_without_results_reports_no_rate(finished_4, t
         return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(where.rglob("*")) if p.is_file()}
 
     checkpoint, metrics = files(run_dir / "checkpoints"), (run_dir / "metrics.jsonl").read_text()
-    done = resume_ok(run_dir)
+    done = resumed_here(run_dir)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["resumed_from_step"] == 4 and results["train_steps"] == 4
     assert [results[k] for k in ("train_steps_per_second", "train_samples_per_second", "train_tokens_per_second",
@@ -263,7 +272,7 @@ def test_a_resume_at_the_last_step_without_results_reports_no_rate(finished_4, t
 
     shutil.rmtree(run_dir / "model")
     recorded = {name: (run_dir / name).read_bytes() for name in ("all_results.json", "eval_results.json")}
-    again = resume_ok(run_dir)
+    again = resumed_here(run_dir)
     assert "results and model are written" not in again.stderr and "recorded in eval_results.json" in again.stderr
     assert AutoModelForCausalLM.from_pretrained(run_dir / "model") is not None
     assert {name: (run_dir / name).read_bytes() for name in recorded} == recorded
@@ -333,7 +342,7 @@ def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterru
     assert code == 143, err[-3000:]
     assert "stopped by SIGTERM" in err and "--resume auto" in err
     [checkpoint] = complete_checkpoints(run_dir)
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == uninterrupted
     assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
 
