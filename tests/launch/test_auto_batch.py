@@ -1,11 +1,11 @@
 """train.per_device_batch_size=auto: the largest micro-batch that fits, the global batch and
-the math kept (dropout off, so layouts can be compared), over an epoch boundary."""
+the math kept (dropout off, so layouts can be compared), over an epoch boundary. Runs go
+through the CLI in this process (runs.run_cli); the probe's peak is the run's own
+(runner/report/metrics.py reset_peak_memory)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ import pytest
 from conftest import MICRO
 from runner.config.spec import load_spec
 from runner.report.parity import parity_problems, step_records
+from runs import Ran, run_cli
 
 # 96 blocks, global batch 8: 12 steps an epoch, so 14 steps cross an epoch boundary.
 BASE = [*(o for o in MICRO if not o.startswith(("train.per_device_batch_size", "train.max_steps"))),
@@ -23,14 +24,13 @@ AMPLE = "launch.device_memory=64GiB"
 SMALL = "launch.device_memory=130MiB"
 
 
-def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "runner", *BASE, *extra, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=600)
+def run(run_dir: Path, *extra: str) -> Ran:
+    done = run_cli([*BASE, *extra, f"hydra.run.dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
-def chosen(done: subprocess.CompletedProcess) -> tuple[int, int]:
+def chosen(done: Ran) -> tuple[int, int]:
     match = re.search(r"auto chose (\d+) per device x 1 process\(es\) x (\d+) accumulation = global batch 8",
                       done.stderr)
     assert match, done.stderr[-3000:]
@@ -83,8 +83,7 @@ def test_a_resume_on_smaller_hardware_chooses_again_and_continues_the_same_math(
 
 @pytest.mark.e2e
 def test_auto_without_a_global_batch_is_refused_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "runner", *MICRO, "train.per_device_batch_size=auto",
-                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    done = run_cli([*MICRO, "train.per_device_batch_size=auto", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "set train.global_batch_size=<sequences per optimizer step> too" in done.stderr
 

@@ -2,19 +2,19 @@
 outputs load with peft and transformers and give the trained model's logits; a kill -9
 resumes bit for bit; a resume refuses another adapter; the auto micro-batch plans a
 frozen base. Every strategy against one process: `runner certify --peft lora`
-(tests/certify/test_certify_runs.py)."""
+(tests/certify/test_certify_runs.py). Runs go through the CLI in this process
+(runs.run_cli); the killed one gets a process of its own."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import cmd, losses
-from test_checkpoint import kill_9_after_checkpoint, resume_ok
+from runs import cmd, losses, run_cli
+from test_checkpoint import kill_9_after_checkpoint, resumed_here
 
 pytestmark = [pytest.mark.e2e]
 
@@ -52,8 +52,7 @@ def test_the_adapter_and_the_merged_model_give_the_trained_models_logits(base, t
     from runner.config.spec import PeftKind, PeftSpec
 
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, *lora(base, "peft.save_merged=true", "train.max_steps=8", "train.save_every=8")),
-                          capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, *lora(base, "peft.save_merged=true", "train.max_steps=8", "train.save_every=8")))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run_dir / "all_results.json").read_text())
     total, trainable = results["total_parameters"], results["trainable_parameters"]
@@ -83,21 +82,21 @@ def test_the_adapter_and_the_merged_model_give_the_trained_models_logits(base, t
 def test_kill_9_then_resume_continues_bit_for_bit_with_dropout_on(base, tmp_path):
     """The adapters' dropout (0.05) and the model's (0.1) both on."""
     full = tmp_path / "full"
-    done = subprocess.run(cmd(full, *lora(base)), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(full, *lora(base)))
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir, *lora(base)), run_dir, step=12)
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == losses(full)  # every step, bit for bit
 
 
 def test_a_resume_refuses_another_rank_alpha_or_target_list_naming_each(base, tmp_path):
     run_dir = tmp_path / "run"
-    first = subprocess.run(cmd(run_dir, *lora(base, "train.max_steps=4")), capture_output=True, text=True, timeout=600)
+    first = run_cli(cmd(run_dir, *lora(base, "train.max_steps=4")))
     assert first.returncode == 0, first.stderr[-3000:]
     changed = lora(base, "train.max_steps=8", "resume=auto", "peft.rank=4", "peft.alpha=8",
                    "peft.target_modules=[c_attn]")
-    bad = subprocess.run(cmd(run_dir, *changed), capture_output=True, text=True, timeout=600)
+    bad = run_cli(cmd(run_dir, *changed))
     assert bad.returncode == 2, bad.stderr[-3000:]
     for change in ("peft.rank: 8 -> 4", "peft.alpha: 16.0 -> 8.0", "peft.target_modules: None -> ['c_attn']"):
         assert change in bad.stderr, bad.stderr[-2000:]
@@ -106,8 +105,8 @@ def test_a_resume_refuses_another_rank_alpha_or_target_list_naming_each(base, tm
 
 def test_the_auto_micro_batch_plans_and_probes_a_frozen_base(base, tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, *lora(base, "train.per_device_batch_size=auto", "train.global_batch_size=8",
-                                             "train.max_steps=2")), capture_output=True, text=True, timeout=900)
+    done = run_cli(cmd(run_dir, *lora(base, "train.per_device_batch_size=auto", "train.global_batch_size=8",
+                                      "train.max_steps=2")))
     assert done.returncode == 0, done.stderr[-3000:]
     chosen = [line for line in (run_dir / "run_spec.yaml").read_text().splitlines()
               if line.strip().startswith("per_device_batch_size:")][0]
@@ -119,12 +118,10 @@ def test_a_layout_change_with_the_adapters_dropout_on_says_it_cannot_be_exact(ba
     """The model's dropout off, the adapters' (0.05) on: the note names peft.dropout."""
     run_dir = tmp_path / "run"
     no_model_dropout = "model.config_overrides='resid_pdrop=0,embd_pdrop=0,attn_pdrop=0'"
-    first = subprocess.run(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=3", "train.save_every=3")),
-                           capture_output=True, text=True, timeout=600)
+    first = run_cli(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=3", "train.save_every=3")))
     assert first.returncode == 0, first.stderr[-3000:]
-    other = subprocess.run(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=4", "train.per_device_batch_size=2",
-                                              "train.grad_accum_steps=2", "resume=auto")),
-                           capture_output=True, text=True, timeout=600)
+    other = run_cli(cmd(run_dir, *lora(base, no_model_dropout, "train.max_steps=4", "train.per_device_batch_size=2",
+                                       "train.grad_accum_steps=2", "resume=auto")))
     assert other.returncode == 0, other.stderr[-3000:]
     assert "accepted change layout 1x4x1 -> 1x2x2" in other.stderr
     assert "with dropout on (peft.dropout=0.05)" in other.stderr and "not exact" in other.stderr

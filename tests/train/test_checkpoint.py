@@ -1,4 +1,8 @@
-"""Checkpoints that survive anything: kill -9, SIGTERM, a crash mid-save, NaNs, edits."""
+"""Checkpoints that survive anything: kill -9, SIGTERM, a crash mid-save, NaNs, edits.
+
+Runs go through the CLI in this process (runs.run_cli: what `python -m runner` prints and
+exits with, without a fresh interpreter's imports); a run that is killed or signalled
+gets a process of its own."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import cmd, logged_steps, losses, resume_cmd
+from runs import Ran, cmd, logged_steps, losses, resume_cmd, run_cli
 from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -57,7 +61,16 @@ def sigterm_after_first_log(command: list[str], run_dir: Path, timeout: int) -> 
 
 
 def resume_ok(run_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`--resume auto` in a process of its own: a launch of several processes (the
+    launcher's forkserver would otherwise outlive the test in pytest's process)."""
     done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def resumed_here(run_dir: Path) -> Ran:
+    """`--resume auto` of a 1-process run, in this process (runs.run_cli)."""
+    done = run_cli(resume_cmd(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -65,17 +78,32 @@ def resume_ok(run_dir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("full") / "run"
-    done = subprocess.run(cmd(run_dir), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step_20", "step_24"]  # keep_checkpoints=2
     return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def finished_4(tmp_path_factory) -> Path:
+    """A finished 4-step run, trained once: each test that refuses or continues it takes a copy."""
+    run_dir = tmp_path_factory.mktemp("finished_4") / "run"
+    done = run_cli(cmd(run_dir, "train.max_steps=4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    """The run in a folder of this test's own; nothing in it names its folder (run_spec.yaml's
+    run_dir is bookkeeping a resume ignores), and copy2 keeps every file's bytes and times."""
+    return Path(shutil.copytree(run_dir, tmp_path / "run", symlinks=True))
 
 
 @pytest.mark.e2e
 def test_kill_9_then_resume_auto_is_bit_exact(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     kill_9_after_checkpoint(cmd(run_dir), run_dir)
-    done = resume_ok(run_dir)
+    done = resumed_here(run_dir)
     assert "resuming from" in done.stderr
     assert losses(run_dir) == uninterrupted  # every step, bit for bit, dropout on
 
@@ -85,11 +113,11 @@ def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
     """Logged every 3 steps, saved every 4: the step-8 checkpoint falls inside the 7-9
     window, and the kill lands after step 10, two steps past the checkpoint."""
     full = tmp_path / "full"
-    done = subprocess.run(cmd(full, "train.log_every=3"), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(full, "train.log_every=3"))
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "run"
     kill_9_at_step(cmd(run_dir, "train.log_every=3"), run_dir, step=9)  # logged 9, checkpoint 8 complete
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == losses(full)
     assert sorted(losses(run_dir)) == list(range(3, 25, 3))
     resumed, reference = (json.loads((d / "all_results.json").read_text()) for d in (run_dir, full))
@@ -98,55 +126,63 @@ def test_kill_9_between_checkpoints_inside_a_log_window_is_bit_exact(tmp_path):
 
 
 @pytest.mark.e2e
-def test_numbers_do_not_depend_on_what_setup_drew(tmp_path):
+def test_numbers_do_not_depend_on_what_setup_drew(tmp_path, monkeypatch):
     """Setup before training (the peak FLOP/s probe, libraries) may draw from the global
     RNG or not: dropout's stream must not change. One run's probe draws 1,000 numbers
     from torch's global generator first, the other's draws none."""
+    import runner.report.flops as flops
+
     seen = []
     for name, draws in (("quiet", 0), ("drawing", 1000)):
-        inject = tmp_path / f"inject_{name}"
-        inject.mkdir()
-        (inject / "sitecustomize.py").write_text(
-            "import torch\n"
-            "import runner.report.flops as flops\n"
-            "def probe(*args, **kwargs):\n"
-            f"    torch.randn({draws})\n"
-            "    return 1e9\n"
-            "flops._probe = probe\n"
-        )
-        env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / name / "cache"),
-               "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        done = subprocess.run(cmd(tmp_path / name, "train.max_steps=8", "train.save_every=0"),
-                              capture_output=True, text=True, timeout=600, env=env)
+        def probe(*args, draws=draws, **kwargs):
+            torch.randn(draws)
+            return 1e9
+
+        monkeypatch.setattr(flops, "_probe", probe)
+        monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / name / "cache"))
+        done = run_cli(cmd(tmp_path / name, "train.max_steps=8", "train.save_every=0"))
         assert done.returncode == 0, done.stderr[-3000:]
         seen.append(json.loads((tmp_path / name / "cache" / "peak_flops.json").read_text()))
     assert [list(s.values()) for s in seen] == [[1e9], [1e9]]  # both injected probes ran
     assert losses(tmp_path / "drawing") == losses(tmp_path / "quiet")
 
 
+# The trainer reads a clock that advances exactly one second per optimizer step and not
+# otherwise: every rate the run reports is then a number known in advance (a step per
+# second), never a timing.
+ONE_SECOND_PER_STEP = (
+    "import time, types\n"
+    "import runner.train.trainer as trainer\n"
+    "clock = [0.0]\n"
+    "trainer.time = types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time)\n"
+    "original = trainer.Trainer.train_step\n"
+    "def patched(self, batch):\n"
+    "    stepped = original(self, batch)\n"
+    "    clock[0] += 1.0 if stepped else 0.0\n"
+    "    return stepped\n"
+    "trainer.Trainer.train_step = patched\n"
+)
+
+
 def one_second_per_step(tmp_path: Path) -> dict[str, str]:
-    """Environment whose workers' trainer reads a clock that advances exactly one second
-    per optimizer step and not otherwise: every rate the run reports is then a number
-    known in advance (a step per second), never a timing."""
+    """Environment whose started workers run with ONE_SECOND_PER_STEP (a sitecustomize.py)."""
     inject = tmp_path / "clock"
     inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import time, types\n"
-        "import runner.train.trainer as trainer\n"
-        "clock = [0.0]\n"
-        "trainer.time = types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time)\n"
-        "original = trainer.Trainer.train_step\n"
-        "def patched(self, batch):\n"
-        "    stepped = original(self, batch)\n"
-        "    clock[0] += 1.0 if stepped else 0.0\n"
-        "    return stepped\n"
-        "trainer.Trainer.train_step = patched\n"
-    )
+    (inject / "sitecustomize.py").write_text(ONE_SECOND_PER_STEP)
     return {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+def one_second_per_step_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONE_SECOND_PER_STEP in this process, undone after the test."""
+    import runner.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "time", trainer.time)
+    monkeypatch.setattr(trainer.Trainer, "train_step", trainer.Trainer.train_step)
+    exec(ONE_SECOND_PER_STEP, {})
+
+
 @pytest.mark.e2e
-def test_rates_after_a_resume_count_only_this_process(tmp_path):
+def test_rates_after_a_resume_count_only_this_process(tmp_path, monkeypatch):
     """Killed after the step-10 checkpoint, inside the 9-12 logging window: the resumed
     process ran 14 steps in 14 (clock) seconds, and its first window 2 steps in 2."""
     env, cadence = one_second_per_step(tmp_path), ["train.save_every=5", "train.log_every=4"]
@@ -156,7 +192,8 @@ def test_rates_after_a_resume_count_only_this_process(tmp_path):
     wait_for(run_dir / "checkpoints" / "step_10" / COMPLETE_MARKER, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600, env=env)
+    one_second_per_step_here(monkeypatch)
+    done = run_cli(resume_cmd(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run_dir / "all_results.json").read_text())
     batch, block = 4, 32
@@ -170,21 +207,19 @@ def test_rates_after_a_resume_count_only_this_process(tmp_path):
 
 
 @pytest.mark.e2e
-def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_it(tmp_path):
+def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_it(finished_4, tmp_path):
     """A Slurm script that always passes resume=auto, requeued after the run ended."""
-    run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = copy_of(finished_4, tmp_path)
 
     def contents() -> dict[str, bytes]:
         return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
     before = contents()
-    again = subprocess.run(cmd(run_dir, "train.max_steps=4", "resume=auto"), capture_output=True, text=True, timeout=600)
+    again = run_cli(cmd(run_dir, "train.max_steps=4", "resume=auto"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "is finished: step 4" in again.stderr and "Traceback" not in again.stderr
     assert contents() == before  # every file, byte for byte
-    longer = subprocess.run(cmd(run_dir, "train.max_steps=6", "resume=auto"), capture_output=True, text=True, timeout=600)
+    longer = run_cli(cmd(run_dir, "train.max_steps=6", "resume=auto"))
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "accepted change train.max_steps: 4 -> 6" in longer.stderr
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
@@ -204,13 +239,11 @@ def test_resume_auto_on_a_finished_run_changes_nothing_and_more_steps_continue_i
 
 
 @pytest.mark.e2e
-def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
+def test_a_resume_at_the_last_step_without_results_reports_no_rate(finished_4, tmp_path):
     """Killed after the final checkpoint, before the results: the resume writes them,
     doing nothing twice (no checkpoint saved or set aside, the logged final evaluation
     reused); it ran no step, so it measured no rate (not a rate of 0)."""
-    run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = copy_of(finished_4, tmp_path)
     first = json.loads((run_dir / "all_results.json").read_text())
     for name in ("all_results.json", "train_results.json", "eval_results.json"):
         (run_dir / name).unlink()
@@ -218,7 +251,7 @@ def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
         return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(where.rglob("*")) if p.is_file()}
 
     checkpoint, metrics = files(run_dir / "checkpoints"), (run_dir / "metrics.jsonl").read_text()
-    done = resume_ok(run_dir)
+    done = resumed_here(run_dir)
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["resumed_from_step"] == 4 and results["train_steps"] == 4
     assert [results[k] for k in ("train_steps_per_second", "train_samples_per_second", "train_tokens_per_second",
@@ -239,7 +272,7 @@ def test_a_resume_at_the_last_step_without_results_reports_no_rate(tmp_path):
 
     shutil.rmtree(run_dir / "model")
     recorded = {name: (run_dir / name).read_bytes() for name in ("all_results.json", "eval_results.json")}
-    again = resume_ok(run_dir)
+    again = resumed_here(run_dir)
     assert "results and model are written" not in again.stderr and "recorded in eval_results.json" in again.stderr
     assert AutoModelForCausalLM.from_pretrained(run_dir / "model") is not None
     assert {name: (run_dir / name).read_bytes() for name in recorded} == recorded
@@ -252,8 +285,7 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_newer_branch_aside(tmp_path
     step-6 save. Pruning used to delete step 6 as it was written, and resume=auto then
     carried on the abandoned branch from step 12."""
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=12", "train.keep_checkpoints=3"), capture_output=True, text=True,
-                          timeout=600)
+    done = run_cli(cmd(run_dir, "train.max_steps=12", "train.keep_checkpoints=3"))
     assert done.returncode == 0, done.stderr[-3000:]
     first = losses(run_dir)
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step_4", "step_8", "step_12"]
@@ -263,7 +295,7 @@ def test_a_resume_from_an_older_checkpoint_keeps_the_newer_branch_aside(tmp_path
     [aside] = (run_dir / "abandoned").iterdir()
     assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_12", "step_8"]
     assert json.loads((aside / "all_results.json").read_text())["train_steps"] == 12 and (aside / "model").is_dir()
-    again = subprocess.run(cmd(run_dir, *branch, "resume=auto"), capture_output=True, text=True, timeout=600)
+    again = run_cli(cmd(run_dir, *branch, "resume=auto"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stderr and "step_6" in again.stderr
     assert losses(run_dir) == first  # one line per step (losses() checks), the same steps from step 4 on
@@ -277,17 +309,15 @@ def test_going_back_to_a_set_aside_branch_sets_the_current_one_aside(tmp_path):
     either branch is written over or lost."""
     run_dir = tmp_path / "run"
     keep = ["train.save_every=2", "train.keep_checkpoints=10"]
-    done = subprocess.run(cmd(run_dir, "train.max_steps=8", *keep), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, "train.max_steps=8", *keep))
     assert done.returncode == 0, done.stderr[-3000:]
     a = losses(run_dir)
-    b = subprocess.run(cmd(run_dir, "train.max_steps=10", *keep, f"resume={run_dir / 'checkpoints' / 'step_4'}"),
-                       capture_output=True, text=True, timeout=600)
+    b = run_cli(cmd(run_dir, "train.max_steps=10", *keep, f"resume={run_dir / 'checkpoints' / 'step_4'}"))
     assert b.returncode == 0, b.stderr[-3000:]
     b_losses = losses(run_dir)
     [a_aside] = (run_dir / "abandoned").iterdir()
     markers = {str(p.parent.relative_to(run_dir)): p.read_text() for p in run_dir.rglob(COMPLETE_MARKER)}
-    back = subprocess.run(cmd(run_dir, "train.max_steps=10", *keep, f"resume={a_aside / 'checkpoints' / 'step_6'}"),
-                          capture_output=True, text=True, timeout=600)
+    back = run_cli(cmd(run_dir, "train.max_steps=10", *keep, f"resume={a_aside / 'checkpoints' / 'step_6'}"))
     assert back.returncode == 0, back.stderr[-3000:]
     assert "step_6 back into checkpoints/" in back.stderr
     assert f"resumed from {run_dir / 'checkpoints' / 'step_6'} at step 6" in (run_dir / "run.log").read_text()
@@ -312,7 +342,7 @@ def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterru
     assert code == 143, err[-3000:]
     assert "stopped by SIGTERM" in err and "--resume auto" in err
     [checkpoint] = complete_checkpoints(run_dir)
-    resume_ok(run_dir)
+    resumed_here(run_dir)
     assert losses(run_dir) == uninterrupted
     assert json.loads((run_dir / "all_results.json").read_text())["train_steps"] == 24
 
@@ -320,7 +350,7 @@ def test_sigterm_checkpoints_and_exits_nonzero_with_the_resume_command(uninterru
 @pytest.mark.e2e
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=8"), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, "train.max_steps=8"))
     assert done.returncode == 0, done.stderr[-3000:]
     # As a crash would leave them: no results, a temporary folder, and a renamed one without its marker.
     (run_dir / "all_results.json").unlink()
@@ -328,42 +358,39 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(uninterrupted, t
     (run_dir / "checkpoints" / "step_12").mkdir()
     (run_dir / "checkpoints" / "step_12" / "model.safetensors").write_bytes(b"partial")
     assert complete_checkpoints(run_dir)[-1].name == "step_8"
-    done = subprocess.run(resume_cmd(run_dir), capture_output=True, text=True, timeout=600)
+    done = run_cli(resume_cmd(run_dir))
     assert done.returncode == 0 and "resuming from" in done.stderr and "step_8" in done.stderr
 
 
 @pytest.mark.e2e
-def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
-    run_dir = tmp_path / "run"
-    assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
+def test_corrupted_checkpoint_is_a_clear_error(finished_4, tmp_path):
+    run_dir = copy_of(finished_4, tmp_path)
     newest = complete_checkpoints(run_dir)[-1]
     longer = cmd(run_dir, "train.max_steps=8", "resume=auto")  # a finished run is not even loaded
     weights = next(newest.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])  # truncated on disk
-    done = subprocess.run(longer, capture_output=True, text=True, timeout=600)
+    done = run_cli(longer)
     assert done.returncode == 2
     assert "unreadable" in done.stderr and "Traceback" not in done.stderr
     (newest / COMPLETE_MARKER).write_text('{"step": 4, "epo')  # a marker torn mid-write
-    done = subprocess.run(longer, capture_output=True, text=True, timeout=600)
+    done = run_cli(longer)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"{COMPLETE_MARKER} is damaged" in done.stderr and "resume=PATH" in done.stderr
     assert "Traceback" not in done.stderr
     (newest / COMPLETE_MARKER).write_text('{"step": 4, "epoch": 0}')
     (newest / "random_states_0.pkl").unlink()  # Accelerate's load_state would only log "Could not load random states"
-    done = subprocess.run(longer, capture_output=True, text=True, timeout=600)
+    done = run_cli(longer)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "random state random_states_0.pkl cannot be restored" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.e2e
-def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):
-    run_dir = tmp_path / "run"
-    assert subprocess.run(cmd(run_dir, "train.max_steps=4"), capture_output=True, timeout=600).returncode == 0
-    bad = subprocess.run(cmd(run_dir, "train.max_steps=8", "resume=auto", "optim.lr=0.5", "train.per_device_batch_size=2"),
-                         capture_output=True, text=True, timeout=600)
+def test_resume_refuses_math_changes_and_reports_harmless_ones(finished_4, tmp_path):
+    run_dir = copy_of(finished_4, tmp_path)
+    bad = run_cli(cmd(run_dir, "train.max_steps=8", "resume=auto", "optim.lr=0.5", "train.per_device_batch_size=2"))
     assert bad.returncode == 2
     assert "optim.lr" in bad.stderr and "global batch: 4 -> 2" in bad.stderr
-    good = subprocess.run(cmd(run_dir, "train.max_steps=8", "resume=auto"), capture_output=True, text=True, timeout=600)
+    good = run_cli(cmd(run_dir, "train.max_steps=8", "resume=auto"))
     assert good.returncode == 0, good.stderr[-3000:]
     assert "accepted change train.max_steps: 4 -> 8" in good.stderr
     assert max(losses(run_dir)) == 8
@@ -372,13 +399,13 @@ def test_resume_refuses_math_changes_and_reports_harmless_ones(tmp_path):
 @pytest.mark.e2e
 def test_resume_auto_without_a_checkpoint_says_so(tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=2", "resume=auto"), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, "train.max_steps=2", "resume=auto"))
     assert done.returncode == 0 and "no checkpoint" in done.stderr and "starting fresh" in done.stderr
 
 
 @pytest.mark.e2e
 def test_resume_path_that_is_not_a_checkpoint(tmp_path):
-    done = subprocess.run(cmd(tmp_path / "run", f"resume={tmp_path}"), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(tmp_path / "run", f"resume={tmp_path}"))
     assert done.returncode == 2 and "not a complete checkpoint" in done.stderr
 
 
@@ -469,13 +496,11 @@ def resumed_across_layouts(tmp_path: Path, common: list[str], before: tuple[str,
     base = [*(o for o in cmd(tmp_path, *common) if not o.startswith("model.config_overrides")
               and not o.startswith("hydra.run.dir")), dropout_off, "schedule=constant"]
     reference, cut = tmp_path / "reference", tmp_path / "cut"
-    done = subprocess.run([*base, *before, f"hydra.run.dir={reference}"], capture_output=True, text=True, timeout=600)
+    done = run_cli([*base, *before, f"hydra.run.dir={reference}"])
     assert done.returncode == 0, done.stderr[-3000:]
-    first = subprocess.run([*base, *before, f"train.max_steps={cut_at}", f"train.save_every={cut_at}",
-                            f"hydra.run.dir={cut}"], capture_output=True, text=True, timeout=600)
+    first = run_cli([*base, *before, f"train.max_steps={cut_at}", f"train.save_every={cut_at}", f"hydra.run.dir={cut}"])
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run([*base, *after, f"train.save_every={cut_at}", "resume=auto", f"hydra.run.dir={cut}"],
-                             capture_output=True, text=True, timeout=600)
+    resumed = run_cli([*base, *after, f"train.save_every={cut_at}", "resume=auto", f"hydra.run.dir={cut}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"accepted change layout {layouts}" in resumed.stderr and "not exact" not in resumed.stderr  # dropout off
     assert parity_problems(step_records(reference / "metrics.jsonl"), step_records(cut / "metrics.jsonl")) == []
@@ -484,10 +509,10 @@ def resumed_across_layouts(tmp_path: Path, common: list[str], before: tuple[str,
 @pytest.mark.e2e
 def test_a_layout_change_with_dropout_on_says_it_cannot_be_exact(tmp_path):
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "train.max_steps=3", "train.save_every=3"), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, "train.max_steps=3", "train.save_every=3"))
     assert done.returncode == 0, done.stderr[-3000:]
-    other = subprocess.run(cmd(run_dir, "train.max_steps=4", "train.per_device_batch_size=2", "train.grad_accum_steps=2",
-                               "resume=auto"), capture_output=True, text=True, timeout=600)
+    other = run_cli(cmd(run_dir, "train.max_steps=4", "train.per_device_batch_size=2", "train.grad_accum_steps=2",
+                        "resume=auto"))
     assert other.returncode == 0, other.stderr[-3000:]
     assert "accepted change layout 1x4x1 -> 1x2x2" in other.stderr
     assert "with dropout on (attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1" in other.stderr and "not exact" in other.stderr
@@ -507,15 +532,13 @@ def test_a_resume_on_changed_training_data_is_refused(tmp_path):
     train.write_text(text)
     run_dir = tmp_path / "run"
     data = [f"data.train_file={train}", "train.max_steps=4", "train.save_every=2"]
-    done = subprocess.run(cmd(run_dir, *data), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, *data))
     assert done.returncode == 0, done.stderr[-3000:]
     train.write_text(text.replace("Elinor", "Eleanor"))
-    refused = subprocess.run(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"), capture_output=True, text=True,
-                             timeout=600)
+    refused = run_cli(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"))
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "the training data: its tokenized blocks differ from the checkpoint's" in refused.stderr
     assert "Traceback" not in refused.stderr
     train.write_text(text)  # restored: the same blocks, resumed
-    again = subprocess.run(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"), capture_output=True, text=True,
-                           timeout=600)
+    again = run_cli(cmd(run_dir, *data, "train.max_steps=6", "resume=auto"))
     assert again.returncode == 0, again.stderr[-3000:]

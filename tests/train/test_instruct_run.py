@@ -1,17 +1,18 @@
 """Instruction data end to end, offline (recipe=gpt2_sft_tiny): it trains packed and
 unpacked, reports its examples, rows and trained tokens, and runner's own evaluation
-gives the same eval loss for the same examples packed and padded."""
+gives the same eval loss for the same examples packed and padded. Runs go through the
+CLI in this process (runs.run_cli)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from runs import Ran, run_cli
 
 pytestmark = [pytest.mark.e2e]
 
@@ -19,13 +20,12 @@ QUICK = ["recipe=gpt2_sft_tiny", "train.max_steps=4", "train.eval_every=0", "tra
          "data.max_train_samples=32"]
 
 
-def run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", *QUICK, *extra, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=600)
+def run(run_dir: Path, *extra: str) -> Ran:
+    return run_cli([*QUICK, *extra, f"hydra.run.dir={run_dir}"])
 
 
 @pytest.fixture(scope="module")
-def packed_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def packed_run(tmp_path_factory) -> tuple[Path, Ran]:
     run_dir = tmp_path_factory.mktemp("sft") / "packed"
     done = run(run_dir)
     assert done.returncode == 0, done.stderr[-3000:]

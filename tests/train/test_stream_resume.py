@@ -1,6 +1,10 @@
 """A streamed run (data.streaming=true) survives kill -9 bit for bit, at one and two
 processes, with dropout on, shuffled, across epoch boundaries; a bad record mid-stream
-stops it with one line and leaves the last checkpoint intact."""
+stops it with one line and leaves the last checkpoint intact.
+
+One-process runs go through the CLI in this process (runs.run_cli); a killed run, a
+two-process launch and a run whose workers are patched (a sitecustomize.py) get a
+process of their own."""
 
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ import pytest
 from runner.config.paths import asset_path
 from conftest import patch_train_step
 from runner.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, read_marker
-from runs import cmd, losses, resume_cmd
-from test_checkpoint import kill_9_after_checkpoint, resume_ok, wait_for
+from runs import Ran, cmd, losses, resume_cmd, run_cli
+from test_checkpoint import kill_9_after_checkpoint, wait_for
 
 # 40 blocks a pass (over all ranks) in 16-block shuffle windows: at 4 per micro-batch an
 # epoch is 10 steps on one process, 5 on two, so a resume from step 15 crosses epochs.
@@ -26,17 +30,27 @@ STREAM = ["data.streaming=true", "data.shuffle_buffer=16", "data.max_train_sampl
           "train.save_every=5"]
 
 
-def streamed_run(run_dir: Path, *extra: str) -> dict[int, float]:
-    done = subprocess.run(cmd(run_dir, *STREAM, *extra), capture_output=True, text=True, timeout=900)
+def launched(command: list[str], two_processes: bool) -> Ran | subprocess.CompletedProcess:
+    """A two-process launch from a process of its own: the launcher's forkserver (runner/launch/
+    start_method.py) would otherwise outlive the test in pytest's process; one process here."""
+    if two_processes:
+        return subprocess.run(command, capture_output=True, text=True, timeout=900)
+    return run_cli(command)
+
+
+def streamed_run(run_dir: Path, *extra: str, two_processes: bool = False) -> dict[int, float]:
+    done = launched(cmd(run_dir, *STREAM, *extra), two_processes)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(run_dir)
 
 
 def kill_and_resume(tmp_path: Path, *extra: str) -> tuple[dict[int, float], dict[int, float], str]:
-    reference = streamed_run(tmp_path / "full", *extra)
+    two_processes = "launch.nproc_per_node=2" in extra
+    reference = streamed_run(tmp_path / "full", *extra, two_processes=two_processes)
     run_dir = tmp_path / "cut"
     kill_9_after_checkpoint(cmd(run_dir, *STREAM, *extra), run_dir, step=15)  # an odd step, mid-epoch
-    done = resume_ok(run_dir, timeout=900)
+    done = launched(resume_cmd(run_dir), two_processes)
+    assert done.returncode == 0, done.stderr[-3000:]
     return reference, losses(run_dir), done.stderr
 
 
@@ -76,7 +90,7 @@ def test_a_bad_record_mid_stream_stops_with_one_line_and_the_checkpoint_intact(t
     run_dir = tmp_path / "run"
     overrides = [f"data.train_file={data}/*.jsonl", "data.streaming=true", "data.shuffle_buffer=16",
                  "data.validation_blocks=8", "data.max_train_samples=null", "train.max_steps=60", "train.save_every=5"]
-    done = subprocess.run(cmd(run_dir, *overrides), capture_output=True, text=True, timeout=900)
+    done = run_cli(cmd(run_dir, *overrides))
     assert done.returncode == 2, done.stderr[-3000:]
     named = [line for line in done.stderr.splitlines() if f"{bad}:151: malformed JSON" in line]
     assert len(named) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -148,18 +162,16 @@ def test_every_ranks_blocks_after_a_resume_in_a_later_window_are_its_own(tmp_pat
 
 
 @pytest.mark.e2e
-def test_a_stream_that_gives_no_step_stops_with_one_line_instead_of_spinning(tmp_path):
+def test_a_stream_that_gives_no_step_stops_with_one_line_instead_of_spinning(tmp_path, monkeypatch):
     """The launcher refuses such a stream (tests/launch/test_preflight_stream.py); should
     the data shrink after that check, the trainer stops on its second empty pass in a row
     instead of re-opening empty passes forever at 100% CPU, deaf to SIGTERM."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import runner.launch.preflight as preflight\npreflight.first_step = lambda *args, **kwargs: None\n")
-    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    import runner.launch.preflight as preflight
+
+    monkeypatch.setattr(preflight, "first_step", lambda *args, **kwargs: None)  # the launcher's check passes
     overrides = ["data.streaming=true", "data.validation_blocks=4", "data.max_train_samples=4",
                  "train.per_device_batch_size=8"]
-    done = subprocess.run(cmd(tmp_path / "run", *overrides), env=env, capture_output=True, text=True, timeout=180)
+    done = run_cli(cmd(tmp_path / "run", *overrides))
     assert done.returncode == 2, done.stderr[-3000:]
     assert "a pass over the training data gives no optimizer step" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
@@ -177,14 +189,13 @@ def test_a_changed_file_list_under_the_glob_is_refused_and_a_resized_file_is_nam
     run_dir = tmp_path / "run"
     overrides = [f"data.train_file={data}/*.jsonl", "data.streaming=true", "data.validation_blocks=4",
                  "data.max_train_samples=null", "train.max_steps=4", "train.save_every=2"]
-    done = subprocess.run(cmd(run_dir, *overrides), capture_output=True, text=True, timeout=600)
+    done = run_cli(cmd(run_dir, *overrides))
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_marker(run_dir / "checkpoints" / "step_4")["data_files"] == [
         [str((data / f"{i}.jsonl").resolve()), (data / f"{i}.jsonl").stat().st_size] for i in (1, 2)]
 
-    def resume(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd(run_dir, *overrides, "resume=auto", "train.max_steps=6", *extra),
-                              capture_output=True, text=True, timeout=600)
+    def resume(*extra: str) -> Ran:
+        return run_cli(cmd(run_dir, *overrides, "resume=auto", "train.max_steps=6", *extra))
 
     (data / "0.jsonl").write_text((data / "1.jsonl").read_text())
     refused = resume()
