@@ -181,6 +181,15 @@ def _run_hydra(argv: list[str]) -> None:
         raise compose_error(err) from None
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The status the interpreter exits with for `stop`: its code, or for
+    SystemExit("message") the message on stderr and 1, as Python does."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    sys.stderr.write(f"{stop.code}\n")
+    return 1
+
+
 def entry() -> None:
     """The `runner` command (and `python -m runner`): main(), then out without the
     interpreter's teardown. Unloading torch, transformers and datasets module by module
@@ -196,11 +205,7 @@ def entry() -> None:
         main()
         code = 0
     except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:  # SystemExit("message"): the message on stderr, exit 1, as Python does
-            sys.stderr.write(f"{stop.code}\n")
-            code = 1
+        code = exit_status(stop)
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

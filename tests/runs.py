@@ -68,7 +68,7 @@ def run_cli(command: list[str]) -> Ran:
     since runner writes through print, sys.stderr and the logging handlers it installs;
     those are closed and the root logger's own put back after, so a later run's run.log
     and console hold only that run's lines; os.environ and sys.argv are put back too."""
-    from runner.cli import main
+    from runner.cli import exit_status, main
 
     args = command[3:] if command[:3] == [sys.executable, "-m", "runner"] else command
     root = logging.getLogger()
@@ -78,11 +78,7 @@ def run_cli(command: list[str]) -> Ran:
             main(list(args))
             code = 0
         except SystemExit as stop:
-            if stop.code is None or isinstance(stop.code, int):
-                code = stop.code or 0
-            else:  # SystemExit("message"): the message on stderr, exit 1, as Python does
-                sys.stderr.write(f"{stop.code}\n")
-                code = 1
+            code = exit_status(stop)
         except Exception:  # as the interpreter reports it: "Traceback" not in stderr means none
             sys.stderr.write(traceback.format_exc())
             code = 1
