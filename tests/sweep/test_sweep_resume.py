@@ -1,4 +1,8 @@
-"""A continued sweep (resume=auto): each job's folder says what the job does next."""
+"""A continued sweep (resume=auto): each job's folder says what the job does next.
+
+Sweeps and runs go through the CLI in this process (runs.run_cli), as `runner -m` runs
+its jobs in its own; the sweep stopped by SIGTERM and the one whose workers are patched
+(a sitecustomize.py) get a process of their own."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Optional
 import pytest
 
 from conftest import MICRO
+from runs import run_cli
 from runner.train.checkpoint import COMPLETE_MARKER, checkpoint_dir
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, save_spec
@@ -250,8 +255,7 @@ def stopped_sweep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted_job2(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    done = subprocess.run(runner_cmd(*RESUMABLE, "train.seed=2", f"hydra.run.dir={run_dir}"),
-                          capture_output=True, text=True, timeout=600)
+    done = run_cli([*RESUMABLE, "train.seed=2", f"hydra.run.dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
     return step_losses(run_dir)
 
@@ -273,8 +277,7 @@ def test_sigterm_checkpoints_the_running_job_and_prints_the_continue_command(sto
 def test_rerunning_without_resume_auto_is_refused_and_touches_nothing(stopped_sweep):
     sweep_dir, _, _, job1_before = stopped_sweep
     job2_before = file_hashes(job_of(sweep_dir, 2))
-    done = subprocess.run(runner_cmd("-m", *RESUMABLE, SEEDS, f"hydra.sweep.dir={sweep_dir}"),
-                          capture_output=True, text=True, timeout=300)
+    done = run_cli(["-m", *RESUMABLE, SEEDS, f"hydra.sweep.dir={sweep_dir}"])
     assert done.returncode == 2
     assert "resume=auto" in done.stderr and "overwrite=true" in done.stderr and "Traceback" not in done.stderr
     assert file_hashes(job_of(sweep_dir, 1)) == job1_before and file_hashes(job_of(sweep_dir, 2)) == job2_before
@@ -288,7 +291,7 @@ def continued_sweep(stopped_sweep):
     printed = shlex.split(stderr.split("Continue it with:\n", 1)[1].splitlines()[0])
     assert printed[0] == "runner" and SEEDS in printed
     args = ["train.seed=0,1,2,3" if a == SEEDS else a for a in printed[1:]]
-    done = subprocess.run(runner_cmd(*args), capture_output=True, text=True, timeout=900)
+    done = run_cli(args)
     return sweep_dir, done
 
 
@@ -348,7 +351,7 @@ def test_a_failed_job_is_kept_as_it_is_until_retried_and_a_changed_finished_job_
     (job2 / "run_spec.yaml").write_text(spec_text.replace("  seed: 2\n", "  seed: 7\n"))
     job1_before, job2_before = file_hashes(job1), file_hashes(job2)
 
-    done = subprocess.run(runner_cmd("-m", *args, "resume=auto"), capture_output=True, text=True, timeout=600)
+    done = run_cli(["-m", *args, "resume=auto"])
     assert done.returncode == 1, done.stderr[-3000:]  # one job failed, one refused
     assert file_hashes(job1) == job1_before and file_hashes(job2) == job2_before
     assert "not retried: RuntimeError: injected crash" in done.stderr
@@ -361,8 +364,7 @@ def test_a_failed_job_is_kept_as_it_is_until_retried_and_a_changed_finished_job_
     assert "train.seed: 7 -> 2" in rows["train.seed=2"]["reason"]
 
     (job2 / "run_spec.yaml").write_text(spec_text)  # the recipe put back
-    retried = subprocess.run(runner_cmd("-m", *args, "resume=auto", "sweep.retry_failed=true"), capture_output=True,
-                             text=True, timeout=600)
+    retried = run_cli(["-m", *args, "resume=auto", "sweep.retry_failed=true"])
     assert retried.returncode == 0, retried.stderr[-3000:]
     resumed = step_losses(job1)
     assert sorted(resumed) == [1, 2, 3, 4] and {s: resumed[s] for s in (1, 2)} == crashed
@@ -388,7 +390,7 @@ def test_a_diverging_middle_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     args = [*[o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every"))], "train.max_steps=6",
             "train.eval_every=0", "schedule.warmup_steps=0", "optim.max_grad_norm=0", "optim.lr=1e-3,1e30,2e-3",
             f"hydra.sweep.dir={sweep_dir}"]
-    first = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600)
+    first = run_cli(["-m", *args])
     assert first.returncode == 1, first.stderr[-3000:]
     assert "Traceback" not in first.stderr
     # The console line, as the user sees it.
@@ -400,8 +402,7 @@ def test_a_diverging_middle_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
     before = {p.name: file_hashes(p) for p in jobs}
     # Continued with overrides that cannot change a result: the jobs stay in their folders.
-    again = subprocess.run(runner_cmd("-m", *args, "resume=auto", "train.log_every=2", f"data.cache_dir={tmp_path / 'c'}"),
-                           capture_output=True, text=True, timeout=600)
+    again = run_cli(["-m", *args, "resume=auto", "train.log_every=2", f"data.cache_dir={tmp_path / 'c'}"])
     assert again.returncode == 1, again.stderr[-3000:]
     assert {p.name: file_hashes(p) for p in jobs} == before
     assert {lr: r["run"] for lr, r in by_lr(sweep_dir).items()} == {1e-3: "kept", 1e30: "not retried", 2e-3: "kept"}
@@ -414,7 +415,7 @@ def test_each_jobs_peak_memory_is_its_own_in_a_one_process_sweep(tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = [*[o for o in MICRO if not o.startswith(("train.max_steps", "train.per_device_batch_size"))],
             "train.max_steps=2", "train.eval_every=0", "train.per_device_batch_size=32,1", f"hydra.sweep.dir={sweep_dir}"]
-    done = subprocess.run(runner_cmd("-m", *args), capture_output=True, text=True, timeout=600)
+    done = run_cli(["-m", *args])
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = {next(o for o in r["overrides"].split() if o.startswith("train.per_device_batch_size=")): float(r["peak_memory_mb"])
              for r in csv.DictReader((sweep_dir / "summary.csv").open())}
