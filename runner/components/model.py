@@ -290,6 +290,18 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     return model
 
 
+
+def starting_model(spec: ModelSpec, seed: int) -> tuple["PreTrainedTokenizerBase", "PretrainedConfig", "PreTrainedModel"]:
+    """The tokenizer, config and model a run starts from: seeded first, so a scratch
+    model's random init is the same wherever it is built (the policy by the worker, a
+    frozen reference's copy by runner/components/objectives/frozen.py)."""
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+    tokenizer = build_tokenizer(spec)
+    config = build_config(spec)
+    return tokenizer, config, build_model(spec, config, len(tokenizer))
+
 def layer_class_names(model: "PreTrainedModel") -> list[str]:
     """The model's transformer-layer classes: those it names in `_no_split_modules`
     (transformers' own list, what Accelerate's FSDP auto-wrap reads) that its module tree

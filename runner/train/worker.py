@@ -32,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.chunked_loss import ChunkedLoss
@@ -47,14 +46,12 @@ from runner.components.objectives.frozen import frozen_reference
 from runner.components.objectives.reference import build_reference
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.model import (
-    build_config,
-    build_model,
-    build_tokenizer,
     count_parameters,
     count_trainable_parameters,
     layer_class_names,
     layer_parameters,
     max_positions,
+    starting_model,
 )
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
@@ -197,10 +194,7 @@ def set_host_memory_policy(spec: RunSpec) -> None:
 def build_seeded_model(spec: RunSpec) -> Built:
     """The model, and with peft=lora|dora its adapters (their init is random too, so
     after the seed)."""
-    set_seed(spec.train.seed)
-    tokenizer = build_tokenizer(spec.model)
-    config = build_config(spec.model)
-    model = build_model(spec.model, config, len(tokenizer))
+    tokenizer, config, model = starting_model(spec.model, spec.train.seed)
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
     objective = objective_class(spec.train.objective)

@@ -38,17 +38,14 @@ class Frozen(Reference):
 
 
 def starting_weights(model_spec: Any, seed: int, chunked_head: bool) -> tuple[torch.nn.Module, Any]:
-    """The policy's starting model again (runner/train/worker.py build_seeded_model's
-    steps, without adapters), and the chunked head installed on it when the policy has
-    one (None otherwise)."""
-    from accelerate.utils import set_seed
-
+    """The policy's starting model again (as runner/train/worker.py build_seeded_model
+    builds it, without adapters), and the chunked head installed on it when the policy has
+    one (None otherwise). Seeding here is safe: the loop's random state is seeded after
+    setup (runner/train/restore.py)."""
     from runner.components.chunked_loss import install
-    from runner.components.model import build_config, build_model, build_tokenizer
+    from runner.components.model import starting_model
 
-    set_seed(seed)  # the loop's random state is seeded after setup (runner/train/restore.py)
-    tokenizer = build_tokenizer(model_spec)
-    model = build_model(model_spec, build_config(model_spec), len(tokenizer))
+    model = starting_model(model_spec, seed)[2]
     chunked = install(model, probe=False)[0] if chunked_head else None
     return model, chunked
 
