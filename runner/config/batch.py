@@ -20,6 +20,12 @@ def global_batch(train: TrainSpec, world_size: int) -> int:
     return global_batch_size(train.per_device_batch_size, world_size, train.grad_accum_steps)
 
 
+def eval_batch_size(train: TrainSpec, micro_batch: int | None = None) -> int:
+    """Sequences (or pairs) per device per evaluation batch: train.per_device_eval_batch_size,
+    else the training micro-batch (`micro_batch` where one is being planned)."""
+    return train.per_device_eval_batch_size or micro_batch or train.per_device_batch_size
+
+
 def accumulation_for(train: TrainSpec, world_size: int) -> tuple[int, list[str]]:
     """(grad_accum_steps, problems): the accumulation `train.global_batch_size` implies at
     `world_size`, or `train.grad_accum_steps` when no global batch is asked for. Pure: the

@@ -17,6 +17,7 @@ import torch
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.model import build_config, count_parameters, count_trainable_parameters, layer_parameters
 from runner.components.step_trace import EvaluationTrace, Numerics, StepTrace, trace_evaluation, trace_step
+from runner.config.batch import eval_batch_size
 from runner.config.errors import UserError
 from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, ReferenceMode, RunSpec
 from runner.config.validate import reference_mode
@@ -189,7 +190,7 @@ class Planner:
     def eval_batch(self, micro_batch: Optional[int] = None) -> int:
         """The evaluation batch the run uses at `micro_batch`: train.per_device_eval_batch_size,
         else the micro-batch (runner/train/loaders.py)."""
-        return self.spec.train.per_device_eval_batch_size or micro_batch or self.spec.train.per_device_batch_size
+        return eval_batch_size(self.spec.train, micro_batch)
 
     def estimate(self, strategy: str, micro_batch: Optional[int] = None, grad_accum_steps: Optional[int] = None,
                  own_offload: bool = True, eval_batch: Optional[int] = None,

@@ -20,6 +20,7 @@ from runner.components.data import EpochSampler, PreparedData, collate, collate_
 from runner.components.data import prepare as prepare_data
 from runner.components.epoch_batches import EpochBatches, WithFillers, masking_fillers
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
+from runner.config.batch import eval_batch_size
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.spec import RunSpec
 from runner.train.rng import loader_generator
@@ -96,7 +97,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: i
             pin_memory=pin,
         )
     evaluation = DataLoader(
-        data.validation, batch_size=t.per_device_eval_batch_size or t.per_device_batch_size, shuffle=False,
+        data.validation, batch_size=eval_batch_size(t), shuffle=False,
         collate_fn=batches, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
     )
     return Loaders(train_loader, evaluation, sampler)

@@ -185,6 +185,7 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
     builds preference.reference=frozen's copy (runner/components/objectives/frozen.py,
     given the run's strategy by the worker)."""
     from runner.components.data import collate_for
+    from runner.config.batch import eval_batch_size
     from runner.config.spec import ObjectiveKind, ReferenceMode
     from runner.config.validate import reference_mode
 
@@ -197,7 +198,7 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
         assert frozen is not None, "preference.reference=frozen: the worker hands over how to build the copy"
         return frozen()
     if mode is ReferenceMode.precomputed:
-        batch = spec.train.per_device_eval_batch_size or spec.train.per_device_batch_size
+        batch = eval_batch_size(spec.train)
         splits = {"train": data.train, "validation": data.validation}
         key = describe_key(data.cache_path, spec.model, spec.train.seed, spec.precision.kind.value,
                            {split: len(dataset) for split, dataset in splits.items()})
