@@ -11,6 +11,7 @@ trains or starts a process, or an e2e test that starts several workers.
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Before any HF import: datasets/transformers must never try the network in tests.
@@ -117,6 +118,30 @@ def _environment_restored() -> Iterator[None]:
     earlier test left (environment_restored)."""
     with environment_restored():
         yield
+
+
+def _muted_runner_loggers() -> list[str]:
+    loggers = logging.root.manager.loggerDict.items()
+    return sorted(name for name, logger in loggers
+                  if isinstance(logger, logging.Logger) and name.split(".")[0] == "runner" and logger.disabled)
+
+
+@pytest.fixture(autouse=True)
+def _runner_logging_left_on() -> Iterator[None]:
+    """A test that leaves runner's loggers switched off fails here, and they are switched
+    back on: a `logging.config.dictConfig` in this process (import-linter's CLI calls one
+    with disable_existing_loggers) silenced every later in-process run's run.log and its
+    logged lines on that xdist worker (CI: 3 e2e failures far from the cause)."""
+    disabled = logging.root.manager.disable
+    yield
+    muted = _muted_runner_loggers()
+    for name in muted:
+        logging.getLogger(name).disabled = False
+    changed = logging.root.manager.disable != disabled
+    logging.disable(disabled)
+    assert not muted and not changed, (
+        f"this test left runner's loggers off (disabled: {muted}; logging.disable changed: {changed}); "
+        "restore what it switched off")
 
 
 @pytest.fixture
