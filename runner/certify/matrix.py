@@ -30,6 +30,8 @@ resume in a second; a run that fails ends its launch, and the rest go on in a ne
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -126,14 +128,16 @@ RESHARD_TO = ["strategy=ddp", "launch.nproc_per_node=1", "train.per_device_batch
 
 def save_initial_model(row: str, folder: Path) -> None:
     """The architecture's tiny config, randomly initialised once and saved with
-    save_pretrained: every run starts from these weights (model.name_or_path), as a user's
-    pretrained model would, so a strategy that loads or shards them differently shows."""
+    save_pretrained beside its tokenizer (architectures.save_small_tokenizer): every run
+    starts from these weights (model.name_or_path), as a user's pretrained model would, so
+    a strategy that loads or shards them differently shows."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from runner.components.model import build_config
     from runner.config.spec import ModelSpec
 
+    architectures.save_small_tokenizer(folder)
     torch.manual_seed(0)
     config = build_config(ModelSpec(model_type=architectures.model_type(row),
                                     config_overrides=architectures.tiny_config(row)))
@@ -147,12 +151,19 @@ def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: st
     layout = ["train.per_device_batch_size=8", *architectures.reference_layout(row)] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
     adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
-    return [*COMMON, f"model.name_or_path={model_dir}", "model.config_overrides=null", f"precision={precision}",
+    return [*COMMON, f"model.name_or_path={model_dir}", f"model.tokenizer_name={model_dir}",
+            "model.config_overrides=null", f"precision={precision}",
             *layout, *adapters, *OBJECTIVES[objective], *architectures.run_overrides(row)]
 
 
 def compose(run_overrides: Sequence[str]) -> RunSpec:
-    """The launcher's composition (only this process runs Hydra; workers read the frozen spec)."""
+    """The launcher's composition (only this process runs Hydra; workers read the frozen
+    spec), once for a cell's two legs: a copy each, since a leg sets its own steps."""
+    return copy.deepcopy(_composed(tuple(run_overrides)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(run_overrides: tuple[str, ...]) -> RunSpec:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
