@@ -2,6 +2,7 @@
 that keeps the global batch, and the one-line refusal."""
 
 import pytest
+from transformers import GPT2Config
 
 from runner.config.errors import UserError
 from runner.launch import fit
@@ -250,6 +251,34 @@ def test_a_preference_run_is_planned_on_its_pairs_two_sequences_each(compose_spe
         assert planner.pairs is pairs
         planner.trace(4, fit.Numerics.fp32)
     assert traced == [True, False]
+
+
+def test_a_model_is_traced_once_a_process_whoever_plans_it_again(compose_spec, monkeypatch, tmp_path):
+    """A second plan of the same model and micro-batch (a sweep's next job, certify's resume
+    leg, another strategy in fp32) reuses the first's trace; another micro-batch, block size
+    or width traces anew."""
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(args[2:4])
+        return f"trace {len(traced)}"
+
+    monkeypatch.setattr(fit, "trace_step", counted)
+    first = compose_spec("recipe=gpt2_clm_tiny")
+    plans = [fit.Planner(first, 32, 1).trace(4, fit.Numerics.fp32), fit.Planner(first, 32, 2).trace(4, fit.Numerics.fp32),
+             fit.Planner(compose_spec("recipe=gpt2_clm_tiny", "strategy=zero2"), 32, 2).trace(4, fit.Numerics.fp32),
+             fit.Planner(first, 32, 1).trace(2, fit.Numerics.fp32), fit.Planner(first, 64, 1).trace(4, fit.Numerics.fp32),
+             fit.Planner(compose_spec("recipe=gpt2_clm_tiny", "model.config_overrides='n_embd=32,n_layer=1,n_head=2'"),
+                         32, 1).trace(4, fit.Numerics.fp32)]
+    assert plans == ["trace 1", "trace 1", "trace 1", "trace 2", "trace 3", "trace 4"]
+    assert traced == [(4, 32), (2, 32), (4, 64), (4, 32)]
+    # A model folder written again between two plans (a certify work dir reused): its config is read anew.
+    folder = tmp_path / "model"
+    for width in (32, 48, 48):
+        GPT2Config(n_embd=width, n_layer=1, n_head=2, n_positions=64).save_pretrained(folder)
+        spec = compose_spec("recipe=gpt2_clm_tiny", f"model.name_or_path={folder}", "model.config_overrides=null")
+        plans.append(fit.Planner(spec, 32, 1).trace(4, fit.Numerics.fp32))
+    assert plans[-3:] == ["trace 5", "trace 6", "trace 6"]
 
 
 @pytest.mark.parametrize("strategy, share", [("ddp", 1.0), ("zero2", 1.0), ("zero3", 0.5), ("fsdp", 0.5)])
