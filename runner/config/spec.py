@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -386,9 +387,17 @@ def save_spec(spec: RunSpec, path: Path, notes: Sequence[str] = ()) -> None:
     tmp.replace(path)
 
 
+@functools.cache
+def _schema() -> Any:
+    """RunSpec's structured config, built once a process: building it was half of each
+    read of a frozen spec (0.27 s; every worker reads one, and a resume its checkpoint's).
+    OmegaConf.merge copies its first argument, so every read starts from it untouched."""
+    return OmegaConf.structured(RunSpec)
+
+
 def spec_from_yaml(text: str) -> RunSpec:
     """Parse a frozen spec, still checked against the schema (a hand-edited typo fails)."""
-    return to_spec(OmegaConf.merge(OmegaConf.structured(RunSpec), OmegaConf.create(text)))
+    return to_spec(OmegaConf.merge(_schema(), OmegaConf.create(text)))
 
 
 def load_spec(path: Path) -> RunSpec:

@@ -142,12 +142,18 @@ def _probe(dtype_name: str, seconds: float = 0.25, size: int = 512) -> float:
     return 2.0 * size**3 / min(times[1:])
 
 
+# The keys probed by this process: its later runs (certify's and a sweep's runs in turn,
+# a resume) read the cache instead of probing again, a quarter second a rank each.
+_PROBED: set[str] = set()
+
+
 def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
     """Peak FLOP/s of one device for the training dtype (fp32, bf16 or fp16). On a GPU,
     the table's figure or None (unknown: MFU is then reported as unknown, not guessed
     from a probe that measures something else). On a CPU, the highest of a matmul probe
-    run now and every earlier one on this machine at this thread count (cached): a probe
-    that shared the cores with other work reads low, and a low peak inflates MFU. Caching
+    run by this process's first run and every earlier one on this machine at this thread
+    count (cached): a probe that shared the cores with other work reads low, and a low
+    peak inflates MFU. Caching
     the first probe alone kept such a figure for good (measured here: fp32 15.8 GFLOP/s
     cached under load, 65.6 on the quiet machine, so every later MFU read 4x high)."""
     kind = getattr(device, "type", str(device))
@@ -161,6 +167,9 @@ def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
     except (OSError, ValueError):
         known = {}  # another rank is writing it, or it is damaged: measure again
     key = f"{kind}|{label}|{dtype_name}"
+    if key in _PROBED and key in known:
+        return known[key]
+    _PROBED.add(key)
     measured = _probe(dtype_name)
     if measured > known.get(key, 0.0):
         known[key] = measured

@@ -69,11 +69,18 @@ def test_peak_flops_on_a_monkeypatched_gpu_never_probes(monkeypatch):
 
 def test_a_cpu_peak_is_the_highest_probe_seen_so_a_busy_moment_never_lowers_it(monkeypatch, tmp_path):
     """A probe that shared the cores with other work reads low; cached as the peak it would
-    inflate every later MFU. Each run probes again and the cache keeps the highest."""
-    readings = iter([20e9, 5e9, 80e9, 40e9])
+    inflate every later MFU. Each process's first run probes again and the cache keeps the
+    highest; its later runs (in turn, a sweep's) read the cache."""
+    readings = iter([20e9, 5e9, 80e9, 40e9, 30e9])
     monkeypatch.setattr(flops, "_probe", lambda *args, **kwargs: next(readings))
     monkeypatch.setattr(flops, "default_cache_dir", lambda: tmp_path)
-    assert [peak_flops(torch.device("cpu"), "fp32") for _ in range(4)] == [20e9, 20e9, 80e9, 80e9]
+    peaks = []
+    for _ in range(4):
+        monkeypatch.setattr(flops, "_PROBED", set())  # a new process
+        peaks.append(peak_flops(torch.device("cpu"), "fp32"))
+    assert peaks == [20e9, 20e9, 80e9, 80e9]
+    assert peak_flops(torch.device("cpu"), "fp32") == 80e9  # the same process again: no reading left to take
+    assert peak_flops(torch.device("cpu"), "bf16") == 30e9 and next(readings, "none left") == "none left"
 
 
 def test_the_cpu_probe_leaves_the_global_random_streams_alone():
