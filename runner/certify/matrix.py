@@ -128,7 +128,7 @@ RESHARD_TO = ["strategy=ddp", "launch.nproc_per_node=1", "train.per_device_batch
 
 def save_initial_model(row: str, folder: Path) -> None:
     """The architecture's tiny config, randomly initialised once and saved with
-    save_pretrained beside its tokenizer (architectures.save_small_tokenizer): every run
+    save_pretrained, its tokenizer in tokenizer/ (architectures.save_small_tokenizer): every run
     starts from these weights (model.name_or_path), as a user's pretrained model would, so
     a strategy that loads or shards them differently shows."""
     import torch
@@ -137,7 +137,7 @@ def save_initial_model(row: str, folder: Path) -> None:
     from runner.components.model import build_config
     from runner.config.spec import ModelSpec
 
-    architectures.save_small_tokenizer(folder)
+    architectures.save_small_tokenizer(folder / "tokenizer")  # apart: AutoTokenizer would go by the model's type
     torch.manual_seed(0)
     config = build_config(ModelSpec(model_type=architectures.model_type(row),
                                     config_overrides=architectures.tiny_config(row)))
@@ -151,7 +151,7 @@ def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: st
     layout = ["train.per_device_batch_size=8", *architectures.reference_layout(row)] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
     adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
-    return [*COMMON, f"model.name_or_path={model_dir}", f"model.tokenizer_name={model_dir}",
+    return [*COMMON, f"model.name_or_path={model_dir}", f"model.tokenizer_name={model_dir / 'tokenizer'}",
             "model.config_overrides=null", f"precision={precision}",
             *layout, *adapters, *OBJECTIVES[objective], *architectures.run_overrides(row)]
 
