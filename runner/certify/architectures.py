@@ -6,12 +6,11 @@ grouped-query heads, head_dim). Every one is small enough for a CPU in seconds, 
 the features that make its architecture what it is (grouped-query attention, gated
 MLPs, sliding windows, soft-capping, QK-norm, a mixture of experts, untied embeddings)
 and has dropout off: certification compares layouts, which only equal math can pass.
-64 positions fit block size 32.
-
-The vocabulary is the vendored GPT-2 tokenizer cut to its first VOCAB tokens
-(save_small_tokenizer): the output head and the embedding over all 50,257 words were most
-of each tiny step's time (certify gpt2: 110 -> 84 CPU-s), and how many words a model
-knows is no part of what certify compares.
+The GPT-2 tokenizer's 50,257 tokens are the vocabulary (the unit tests build these
+configs with it); 64 positions fit block size 32. `runner certify` cuts both to VOCAB
+tokens (small_vocabulary, save_small_tokenizer): the output head and the embedding over
+all 50,257 words were most of each tiny step's time (certify gpt2: 110 -> 84 CPU-s), and
+how many words a model knows is no part of what certify compares.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from runner.config.paths import asset_path
 
@@ -27,22 +27,21 @@ EOS = VOCAB - 1
 
 # Grouped-query attention: 4 query heads over 2 key-value heads of 16.
 _GQA = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
-        f"max_position_embeddings=64,vocab_size={VOCAB}")
+        "max_position_embeddings=64,vocab_size=50257")
 
 TINY: dict[str, str] = {
-    "gpt2": (f"n_embd=64,n_layer=2,n_head=4,n_positions=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,vocab_size={VOCAB},"
-             f"bos_token_id={EOS},eos_token_id={EOS}"),
+    "gpt2": "n_embd=64,n_layer=2,n_head=4,n_positions=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
     "llama": _GQA,
     "mistral": _GQA + ",sliding_window=16",
     "qwen2": _GQA,
     "qwen3": _GQA + ",head_dim=16",
     "gemma2": _GQA + ",head_dim=16,sliding_window=16",
-    "phi3": _GQA + f",pad_token_id=0,eos_token_id={EOS}",
-    "olmo2": _GQA + f",eos_token_id={EOS}",
+    "phi3": _GQA + ",pad_token_id=0",
+    "olmo2": _GQA + ",eos_token_id=50256",
     "gpt_neox": ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
-                 f"max_position_embeddings=64,vocab_size={VOCAB},hidden_dropout=0,attention_dropout=0"),
+                 "max_position_embeddings=64,vocab_size=50257,hidden_dropout=0,attention_dropout=0"),
     "opt": ("hidden_size=64,ffn_dim=128,num_hidden_layers=2,num_attention_heads=4,max_position_embeddings=64,"
-            f"word_embed_proj_dim=64,vocab_size={VOCAB},dropout=0,attention_dropout=0,layerdrop=0"),
+            "word_embed_proj_dim=64,vocab_size=50257,dropout=0,attention_dropout=0,layerdrop=0"),
     # A mixture of experts: 4 experts, each token routed to 2.
     "mixtral": _GQA + ",num_local_experts=4,num_experts_per_tok=2,router_jitter_noise=0",
 }
@@ -105,3 +104,15 @@ def save_small_tokenizer(folder: Path) -> None:
     (folder / "merges.txt").write_text("\n".join([header, *merges[:EOS - 256]]) + "\n", encoding="utf-8")
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).write_text((source / name).read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def small_vocabulary(config: Any) -> Any:
+    """`config` over the VOCAB tokens of save_small_tokenizer: its vocabulary size, and each
+    special id outside it (GPT-2's and OLMo-2's <|endoftext|> 50256, Phi-3's 32000) set to
+    <|endoftext|>'s id there."""
+    config.vocab_size = VOCAB
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(config, key, EOS)
+    return config

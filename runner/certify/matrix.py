@@ -139,8 +139,8 @@ def save_initial_model(row: str, folder: Path) -> None:
 
     architectures.save_small_tokenizer(folder / "tokenizer")  # apart: AutoTokenizer would go by the model's type
     torch.manual_seed(0)
-    config = build_config(ModelSpec(model_type=architectures.model_type(row),
-                                    config_overrides=architectures.tiny_config(row)))
+    config = architectures.small_vocabulary(build_config(ModelSpec(model_type=architectures.model_type(row),
+                                                                   config_overrides=architectures.tiny_config(row))))
     AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
 
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from runner.certify import architectures
-from runner.certify.architectures import EOS, ROWS, VOCAB, save_small_tokenizer
+from runner.certify.architectures import EOS, ROWS, VOCAB, save_small_tokenizer, small_vocabulary
 from runner.components.model import build_config
 from runner.config.paths import asset_path
 from runner.config.spec import ModelSpec
@@ -40,8 +40,8 @@ def test_the_cut_tokenizer_agrees_with_gpt2s_wherever_its_tokens_are_kept(tmp_pa
 
 @pytest.mark.parametrize("row", ROWS)
 def test_every_rows_config_keeps_its_ids_inside_the_small_vocabulary(row):
-    config = build_config(ModelSpec(model_type=architectures.model_type(row),
-                                    config_overrides=architectures.tiny_config(row)))
+    config = small_vocabulary(build_config(ModelSpec(model_type=architectures.model_type(row),
+                                                     config_overrides=architectures.tiny_config(row))))
     assert config.vocab_size == VOCAB
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(config, key, None)
