@@ -234,6 +234,7 @@ def test_a_trace_that_fails_is_one_note_without_torchs_traceback(compose_spec, c
     from runner.components import step_trace
 
     monkeypatch.setattr(step_trace, "grouped_experts_traceable", contextlib.nullcontext)  # experts untraceable
+    monkeypatch.setattr(fit, "_TRACED", {})  # an earlier test's trace of this model would be kept (_traced)
     planner = moe_planner(compose_spec)
     fit.check_fit(planner.spec, planner, fit.Budget(2.0**40, "1 x test", True))
     err = capfd.readouterr().err
