@@ -290,7 +290,6 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     return model
 
 
-
 def starting_model(spec: ModelSpec, seed: int) -> tuple["PreTrainedTokenizerBase", "PretrainedConfig", "PreTrainedModel"]:
     """The tokenizer, config and model a run starts from: seeded first, so a scratch
     model's random init is the same wherever it is built (the policy by the worker, a
@@ -301,6 +300,7 @@ def starting_model(spec: ModelSpec, seed: int) -> tuple["PreTrainedTokenizerBase
     tokenizer = build_tokenizer(spec)
     config = build_config(spec)
     return tokenizer, config, build_model(spec, config, len(tokenizer))
+
 
 def layer_class_names(model: "PreTrainedModel") -> list[str]:
     """The model's transformer-layer classes: those it names in `_no_split_modules`

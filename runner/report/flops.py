@@ -153,9 +153,9 @@ def peak_flops(device: Any, dtype_name: str) -> Optional[float]:
     from a probe that measures something else). On a CPU, the highest of a matmul probe
     run by this process's first run and every earlier one on this machine at this thread
     count (cached): a probe that shared the cores with other work reads low, and a low
-    peak inflates MFU. Caching
-    the first probe alone kept such a figure for good (measured here: fp32 15.8 GFLOP/s
-    cached under load, 65.6 on the quiet machine, so every later MFU read 4x high)."""
+    peak inflates MFU. Caching the first probe alone kept such a figure for good (measured
+    here: fp32 15.8 GFLOP/s cached under load, 65.6 on the quiet machine, so every later
+    MFU read 4x high)."""
     kind = getattr(device, "type", str(device))
     if kind == "cuda":
         peak = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype_name, tf32_enabled())
