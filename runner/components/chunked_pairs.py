@@ -22,8 +22,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients, check_positions
+from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients, check_positions, shifted_labels
 from runner.components.labels import IGNORE_INDEX, token_losses
+from runner.components.preference_batch import SEQUENCE_IDS, pairs_in
 
 # (chosen log-probs, rejected log-probs, chosen tokens, rejected tokens, which pairs) of a
 # chunk of pairs -> their part of the micro-batch's loss (a differentiable scalar).
@@ -80,24 +81,88 @@ class ChunkedPairLoss(torch.autograd.Function):
         return (*HeadGradients.scaled(ctx, grad_total), None, None, None)
 
 
+class ChunkedPackedPairLoss(torch.autograd.Function):
+    """ChunkedPairLoss over packed rows (runner/components/preference_batch.pack_pairs):
+    `hidden` flattened (positions x width), `targets` each position's next token (-100:
+    none trained) and `owner` the sequence that token belongs to (0..2P-1). A chunk of
+    pairs is the positions whose targets belong to its pairs, wherever the rows put them;
+    only trained positions go through the head (no prompt, no padding). Selecting them
+    reads the targets on the host: one device sync a micro-batch, packed runs only."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor, owner: torch.Tensor, pairs: int, pair_loss: Optional[PairLoss],
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        trained = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        sequence = owner[trained]
+        pair = sequence % pairs
+        logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device)
+        tokens = torch.bincount(sequence, minlength=2 * pairs)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grads = HeadGradients(hidden, weight, bias, ctx.needs_input_grad)
+        wanted = pair_loss is not None and grads.wanted
+        for start in range(0, pairs, chunk):
+            end = min(pairs, start + chunk)
+            count, mine = end - start, (pair >= start) & (pair < end)
+            positions, of = trained[mine], sequence[mine]
+            # Chosen sequences (k < P) first, then rejected, as ChunkedPairLoss's rows.
+            local = torch.where(of < pairs, of - start, of - pairs - start + count)
+            h = hidden[positions]
+            logits = F.linear(h, weight, bias)  # under autocast: in its compute dtype, as the plain head
+            with torch.enable_grad():
+                logits.requires_grad_(wanted)
+                wide = logits.float()
+                losses = torch.logsumexp(wide, dim=-1) - wide.gather(-1, targets[positions].unsqueeze(-1)).squeeze(-1)
+                sums = torch.zeros(2 * count, dtype=torch.float32, device=hidden.device).index_add(0, local, -losses)
+                ranks = torch.cat([torch.arange(start, end), torch.arange(pairs + start, pairs + end)]).to(hidden.device)
+                counts = tokens[ranks]
+                part = None if pair_loss is None else pair_loss(
+                    sums[:count], sums[count:], counts[:count], counts[count:], slice(start, end))
+                g = None
+                if wanted and part is not None and part.requires_grad:
+                    (g,) = torch.autograd.grad(part, logits)
+            logps[ranks] = sums.detach()
+            if part is not None:
+                total += part.detach().float()
+            del logits, wide, losses, sums
+            if g is not None:
+                grads.add(positions, g, h, weight)
+        grads.save(ctx, weight, bias)
+        ctx.mark_non_differentiable(logps, tokens)
+        return total, logps, tokens
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _logps: Any, _tokens: Any) -> tuple[Any, ...]:
+        return (*HeadGradients.scaled(ctx, grad_total), None, None, None, None, None)
+
+
 def chunked_pair_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      labels: torch.Tensor, pair_loss: Optional[PairLoss],
-                      chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See ChunkedPairLoss; `chunk` pairs at a time (default: what CHUNK_LOGIT_BYTES holds)."""
+                      labels: torch.Tensor, pair_loss: Optional[PairLoss], chunk: Optional[int] = None,
+                      packed: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ChunkedPairLoss; `chunk` pairs at a time (default: what CHUNK_LOGIT_BYTES holds).
+    `packed`: the micro-batch when its rows are packed (its sequence ids and pairs)."""
     chunk = chunk or pairs_per_chunk(weight.shape[0], labels.shape[1])
-    return ChunkedPairLoss.apply(hidden, weight, bias, labels, pair_loss, chunk)
+    if packed is None or SEQUENCE_IDS not in packed:
+        return ChunkedPairLoss.apply(hidden, weight, bias, labels, pair_loss, chunk)
+    owner = packed[SEQUENCE_IDS].to(labels.device)
+    return ChunkedPackedPairLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, shifted_labels(labels),
+                                       F.pad(owner, (0, 1), value=-1)[:, 1:].reshape(-1), pairs_in(packed),
+                                       pair_loss, chunk)
 
 
 def forward_pairs(chunked: Any, model: Any, inputs: dict[str, Any], labels: torch.Tensor,
-                  pair_loss: Optional[PairLoss] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  pair_loss: Optional[PairLoss] = None,
+                  packed: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward of `model` on a micro-batch of pairs through the chunked head
     (`chunked`, runner/components/chunked_loss.ChunkedLoss): (the pairs' loss as the model
-    returned it, each sequence's summed log-probs, each sequence's trained tokens)."""
+    returned it, each sequence's summed log-probs, each sequence's trained tokens).
+    `packed`: the batch, when its rows are packed (preference_batch.pack_pairs)."""
     kept: dict[str, torch.Tensor] = {}
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         check_positions(hidden, labels)
-        total, kept["logps"], kept["tokens"] = chunked_pair_loss(hidden, weight, bias, labels, pair_loss)
+        total, kept["logps"], kept["tokens"] = chunked_pair_loss(hidden, weight, bias, labels, pair_loss,
+                                                                 packed=packed)
         return total
 
     loss = chunked.computing(model, inputs, compute)

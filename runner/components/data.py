@@ -435,13 +435,14 @@ def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]
 
 def collate_for(data: DataSpec, pad_id: int) -> Callable[[list[dict[str, "torch.Tensor"]]], dict[str, "torch.Tensor"]]:
     """The batch builder of the data's format: run_clm's blocks; packed instruction rows
-    with their position ids; or instruction examples padded to the longest in the batch."""
+    with their position ids; or instruction examples padded to the longest in the batch;
+    preference pairs padded, or packed per micro-batch (preference_batch.py)."""
     if data.format is DataFormat.text:
         return collate
     if data.format is DataFormat.preference:
-        from runner.components.preference_batch import pad_pairs
+        from runner.components.preference_batch import pack_pairs, pad_pairs
 
-        return partial(pad_pairs, pad_id=pad_id)
+        return partial(pack_pairs if data.packing else pad_pairs, pad_id=pad_id)
     from runner.components.instruct import pad_batch, stack_packed
 
     return stack_packed if data.packing else partial(pad_batch, pad_id=pad_id)

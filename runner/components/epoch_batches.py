@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.components.labels import IGNORE_INDEX, row_real_tokens
+from runner.components.preference_batch import SEQUENCE_IDS
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,13 @@ def masking_fillers(collate: Callable[[list[Any]], dict[str, torch.Tensor]]) -> 
             return batch
         # A row may stand for several sequences, laid out as blocks of one sequence a row
         # (a preference pair's chosen answers, then its rejected ones: preference_batch.py).
-        sequences = fillers.repeat(batch["labels"].shape[0] // len(rows))
+        sequences = fillers.repeat(2 if SEQUENCE_IDS in batch else batch["labels"].shape[0] // len(rows))
         labels = batch["labels"].clone()  # run_clm's blocks: the labels are the input ids, one tensor
+        if SEQUENCE_IDS in batch:  # packed pairs: a filler's sequences share rows with real ones
+            owner = batch[SEQUENCE_IDS]
+            filled = sequences[owner.clamp(min=0)] & (owner >= 0)
+            labels[filled] = IGNORE_INDEX
+            return {**batch, "labels": labels, "real_tokens": batch["real_tokens"] - filled.sum(dim=1)}
         labels[sequences] = IGNORE_INDEX
         return {**batch, "labels": labels, "real_tokens": row_real_tokens(batch).masked_fill(sequences, 0)}
 

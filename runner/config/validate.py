@@ -314,9 +314,6 @@ def check_preference(spec: RunSpec) -> list[str]:
     if mode is ReferenceMode.adapter_off and spec.peft.kind is PeftKind.none:
         p.append("preference.reference=adapter_off is the model with its adapters disabled, and this run has none: "
                  "set peft=lora (or dora), or preference.reference=frozen or precomputed.")
-    if pairs and spec.data.packing:
-        p.append("data.packing=true with data.format=preference is not supported yet: set data.packing=false "
-                 "(one pair a row, padded).")
     if not dpo and pref != defaults:
         p.append("preference.* is set but train.objective is not dpo: add objective=dpo, or remove them.")
     return p

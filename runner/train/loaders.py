@@ -55,7 +55,8 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
             if "pairs" in c:  # preference data: pairs, one a row (runner/components/preference_data.py)
                 log.info(f"data: {split}: {c['pairs']:,} pairs ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
                          f"as longer than {block_size} tokens, {c['same_answers_dropped']:,} with equal answers "
-                         f"dropped); {c['trained_tokens']:,} of {c['tokens']:,} tokens trained")
+                         f"dropped); {c['trained_tokens']:,} of {c['tokens']:,} tokens trained; "
+                         + ("packed a micro-batch at a time" if spec.data.packing else "one pair a row, padded per batch"))
                 continue
             rows = f"packed into {c['rows']:,} rows of {block_size} (packing efficiency {c['packing_efficiency']:.1%})" \
                 if spec.data.packing else f"one a row ({c['rows']:,} rows, padded per batch)"

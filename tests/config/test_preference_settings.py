@@ -21,7 +21,6 @@ from runner.config.validate import reference_mode, spec_problems
      "preference.loss_type=orpo is reference-free"),
     (["recipe=gpt2_dpo_tiny", "preference.reference=none"], "compares against a reference model"),
     (["recipe=gpt2_dpo_tiny", "preference.reference=adapter_off"], "this run has none: set peft=lora"),
-    (["recipe=gpt2_dpo_tiny", "data.packing=true"], "data.packing=true with data.format=preference is not supported yet"),
     (["recipe=gpt2_clm_tiny", "preference.beta=0.5"], "preference.* is set but train.objective is not dpo"),
 ])
 def test_a_bad_preference_setting_is_refused_naming_the_fix(compose_spec, overrides, says):

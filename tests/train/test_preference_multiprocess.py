@@ -35,6 +35,9 @@ ONE = ["train.per_device_batch_size=8"]
 TWO = ["train.per_device_batch_size=4", "launch.nproc_per_node=2"]
 LAYOUTS = [
     ["train.per_device_batch_size=4", "train.grad_accum_steps=2"],
+    # packed pairs (a micro-batch's sequences first-fit into rows) at 2 processes: rank 1's
+    # second-step batch packs its one pair's sequences with three fillers'
+    ["train.per_device_batch_size=4", "launch.nproc_per_node=2", "data.packing=true"],
 ]
 
 

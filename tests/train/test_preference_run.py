@@ -52,3 +52,19 @@ def test_kill_9_and_resume_continue_a_preference_run_bit_for_bit(tmp_path):
     for key in ("train_loss", "eval_loss", "rewards/accuracies", "rewards/margins"):
         assert results[0][key] == results[1][key], key
     assert results[1]["goodput"]["parts_seconds"]["reference"] > 0  # its own part of the ledger, not start-up
+
+
+def test_packing_pairs_on_a_model_that_lets_them_attend_across_is_refused(tmp_path):
+    """data.packing=true packs a micro-batch's pairs (runner/components/preference_batch.py);
+    OPT reads its positions from the attention mask, so packed sequences would see each
+    other: the run is refused in one line, before any step (the probe of packed SFT)."""
+    from runs import run_cli
+
+    from runner.certify.architectures import TINY
+
+    opt = TINY["opt"].replace("max_position_embeddings=64", "max_position_embeddings=128")
+    done = run_cli([*command(tmp_path / "opt"), "model.model_type=opt", f"model.config_overrides='{opt}'",
+                    "data.packing=true"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "packed examples attend to each other" in done.stderr and "Set data.packing=false" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "opt" / "metrics.jsonl").exists()

@@ -28,7 +28,7 @@ from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, 
 from runner.components.objectives.preference_loss import pair_terms
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.objectives.reference import Reference
-from runner.components.preference_batch import PAIR_INDEX, pairs_in
+from runner.components.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_tokens, pairs_in
 from runner.config.spec import PreferenceLoss
 
 _PAIRS, _CHOSEN_TOKENS, _MICRO_BATCHES = "window_pairs", "window_chosen_tokens", "window_micro_batches"
@@ -61,9 +61,9 @@ class DirectPreference(Objective):
     # ------------------------------------------------------------------ training
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:
         """Each micro-batch carries the step's real pairs and chosen answer tokens on all ranks."""
-        chosen = [self._chosen(batch["labels"][:, 1:] != IGNORE_INDEX) for batch in window]  # trained, per token
+        chosen = [answer_tokens(batch)[:pairs_in(batch)] for batch in window]  # trained tokens, per answer
         counted = torch.stack([
-            torch.stack([trained.any(dim=1).sum() for trained in chosen]).sum(),
+            torch.stack([(trained > 0).sum() for trained in chosen]).sum(),
             torch.stack([trained.sum() for trained in chosen]).sum(),
             torch.stack([row_real_tokens(batch).sum() for batch in window]).sum(),
         ]).to(device=device, dtype=torch.int64)
@@ -72,10 +72,6 @@ class DirectPreference(Objective):
         batches = [{**batch, _PAIRS: counted[0].float(), _CHOSEN_TOKENS: counted[1].float(), _MICRO_BATCHES: len(window)}
                    for batch in window]
         return Window(batches, counted[2])
-
-    @staticmethod
-    def _chosen(rows: torch.Tensor) -> torch.Tensor:
-        return rows[: rows.shape[0] // 2]
 
     def loss(self, model: Any, batch: Batch) -> MicroBatchLoss:
         pairs, chosen_tokens, micro = batch.pop(_PAIRS), batch.pop(_CHOSEN_TOKENS), batch.pop(_MICRO_BATCHES)
@@ -92,8 +88,8 @@ class DirectPreference(Objective):
         """Sums over the batch's real pairs: the figures; and with `step_counts` (the step's
         pairs and chosen answer tokens, all ranks) the loss to backward, these pairs' part."""
         reference = self.reference.logps(model, batch, split)
-        batch = {k: v for k, v in batch.items() if k != PAIR_INDEX}
-        p = pairs_in(batch)
+        p, layout = pairs_in(batch), batch
+        batch = {k: v for k, v in batch.items() if k not in (PAIR_INDEX, SEQUENCE_IDS)}
         ref_chosen, ref_rejected = (None, None) if reference is None else (reference[:p], reference[p:])
 
         def loss_of(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
@@ -112,9 +108,9 @@ class DirectPreference(Objective):
 
         inputs, wanted = model_inputs(batch, cache=self.cache), loss_of if step_counts is not None else None
         if self.chunked is not None:
-            loss, logps, tokens = forward_pairs(self.chunked, model, inputs, batch["labels"], wanted)
+            loss, logps, tokens = forward_pairs(self.chunked, model, inputs, batch["labels"], wanted, layout)
         else:
-            logps, tokens = logps_of_logits(model(**inputs).logits, batch["labels"])
+            logps, tokens = logps_of_logits(model(**inputs).logits, batch["labels"], layout)
             loss = loss_of(logps[:p], logps[p:], tokens[:p], tokens[p:], slice(0, p)) if wanted else None
         real = (tokens[:p] > 0).float()
         logps = torch.cat([_filled(logps[:p].detach(), real), _filled(logps[p:].detach(), real)])

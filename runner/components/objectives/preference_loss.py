@@ -13,12 +13,13 @@ answers, are the caller's: they are weighted across ranks and accumulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from runner.components.labels import token_losses
+from runner.components.preference_batch import per_sequence
 from runner.config.spec import PreferenceLoss, PreferenceSpec
 
 NEEDS_REFERENCE = frozenset({PreferenceLoss.sigmoid, PreferenceLoss.ipo, PreferenceLoss.hinge})
@@ -33,11 +34,14 @@ class PairTerms:
     rejected_rewards: torch.Tensor  # detached
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's sum of its trained tokens' log-probs (fp32) and their count (int64):
-    token t's label is labels[t + 1], a label of -100 trains nothing."""
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor,
+                   batch: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's sum of its trained tokens' log-probs (fp32) and their count
+    (int64): token t's label is labels[t + 1], a label of -100 trains nothing. A sequence
+    is a row, or in a packed `batch` (preference_batch.pack_pairs) its sequence ids' span."""
     losses, mask = token_losses(logits, labels)
-    return -losses.sum(dim=-1), mask.sum(dim=-1)
+    layout = batch if batch is not None else {}
+    return per_sequence(-losses, layout), per_sequence(mask.long(), layout)
 
 
 def pair_terms(

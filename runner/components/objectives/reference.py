@@ -27,7 +27,7 @@ import torch
 from runner.components.chunked_pairs import forward_pairs
 from runner.components.labels import model_inputs
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
-from runner.components.preference_batch import PAIR_INDEX
+from runner.components.preference_batch import PAIR_INDEX, SEQUENCE_IDS
 
 log = logging.getLogger("runner")
 
@@ -43,11 +43,11 @@ def sequence_logps(model: Any, batch: dict[str, Any], cache: bool = True, chunke
     """One forward of `model` on `batch`: each sequence's summed log-probs of its trained
     tokens in fp32, and their count (preference_loss.sequence_logps of its logits; through
     the chunked head when one is installed: the whole logits are never held)."""
-    inputs = model_inputs(batch, cache=cache)
+    inputs = model_inputs({k: v for k, v in batch.items() if k not in (PAIR_INDEX, SEQUENCE_IDS)}, cache=cache)
     if chunked is not None:
-        _, logps, tokens = forward_pairs(chunked, model, inputs, batch["labels"])
+        _, logps, tokens = forward_pairs(chunked, model, inputs, batch["labels"], packed=batch)
         return logps, tokens
-    return logps_of_logits(model(**inputs).logits, batch["labels"])
+    return logps_of_logits(model(**inputs).logits, batch["labels"], batch)
 
 
 class Reference:
