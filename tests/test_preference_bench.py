@@ -15,8 +15,8 @@ import pytest
 pytestmark = [pytest.mark.e2e]  # one process at a time: runner and TRL runs, 2-layer GPT-2, 3 steps each
 
 ROOT = Path(__file__).resolve().parent.parent
-MEASURED = ("runner, reference=precomputed", "runner, reference=frozen", "TRL, reference model",
-            "TRL, precompute_ref_log_probs")
+MEASURED = ("runner, reference=precomputed", "runner, reference=frozen", "runner, precomputed, packed",
+            "runner, precomputed, act. ckpt", "TRL, reference model", "TRL, precompute_ref_log_probs")
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 
 
@@ -32,8 +32,10 @@ def test_tiny_bench_prints_every_row_with_numbers(tmp_path):
         assert pairs_per_s > 0 and math.isfinite(pairs_per_s), (variant, pairs_per_s)
         assert peak_mb > 0, (variant, peak_mb)
     ratios = re.findall(rf"^ *(.+?): {NUMBER}x   target ([<>]=) {NUMBER}x: (met|NOT met)$", out, re.M)
-    # pairs/s and peak against both TRL variants; precomputed / frozen peak
-    assert len(ratios) == 5, out
+    # pairs/s and peak against both TRL variants; precomputed / frozen peak; checkpointed
+    # runner against TRL (which checkpoints by default), pairs/s and peak
+    assert len(ratios) == 7, out
+    assert re.search(r"^the states \(weights, gradients, AdamW's moments: 16 B x 3\.4M\) = 54 MB; above them", out, re.M), out
     for what, value, sign, target, verdict in ratios:
         met = float(value) >= float(target) if sign == ">=" else float(value) <= float(target)
         assert verdict == ("met" if met else "NOT met"), (what, value, target, verdict)

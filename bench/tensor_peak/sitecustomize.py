@@ -26,7 +26,8 @@ a strategy leaves them so (adapters on a frozen base under zero2 in fp32: DeepSp
 copies only what trains; ddp, ZeRO-3's partitions, FSDP's shards and a bf16 cast all
 copy them into the allocator) the step's peak reads low by the whole base, which on a
 GPU is device memory like any other. The bytes of the model's tensors stored in a
-mapped file (/proc/self/maps) are added to the peak.
+mapped file (/proc/self/maps) are added to the peak, and those of a frozen reference
+copy (preference.reference=frozen) likewise.
 
 The measuring itself is step_peak.py's (this folder), which a worker that is not
 runner's (bench/preference.py's TRL worker) uses through its Trainer callback.
@@ -63,7 +64,10 @@ if os.environ.get("RUNNER_BENCH_TENSOR_PEAK"):
         with torch.profiler.record_function(step_peak.MARKER):
             done = _plain_step(self, batch)
         peak = step_peak.peak_in_marker(_state.pop("prof"))
-        step_peak.write(self.accelerator.process_index, peak + step_peak.file_mapped_bytes(self.model))
+        # preference.reference=frozen's copy loads from the same folder, mapped too
+        frozen = getattr(getattr(self.objective, "reference", None), "model", None)
+        models = (self.model,) if frozen is None else (self.model, frozen)
+        step_peak.write(self.accelerator.process_index, peak + step_peak.file_mapped_bytes(*models))
         return done
 
     _worker.train, _trainer.Trainer.train_step = _train, _step

@@ -56,12 +56,48 @@ def peak_in_marker(prof: Any) -> int:
         events.append(event)
     marker = next(e for e in events if e.name == MARKER)
     start_ns, end_ns = marker.start_time_ns, marker.end_time_ns
-    peak = 0
+    peak, at = 0, None
     for event in events:
         if event.typed[0] == _EventType.Allocation and str(event.typed[1].device) == "cpu":
-            if start_ns <= event.start_time_ns <= end_ns:
-                peak = max(peak, event.typed[1].total_allocated)
+            if start_ns <= event.start_time_ns <= end_ns and event.typed[1].total_allocated > peak:
+                peak, at = event.typed[1].total_allocated, event
+    if os.environ.get("RUNNER_BENCH_TENSOR_PEAK_DETAIL") and at is not None:
+        _describe_peak(events, at)
     return peak
+
+
+def _ops(event: Any) -> str:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.parent
+    return " < ".join(names[1:6])
+
+
+def _describe_peak(events: list[Any], at: Any) -> None:
+    """RUNNER_BENCH_TENSOR_PEAK_DETAIL=1: on stderr, the operators around the peak's
+    allocation and the largest tensors live then (address-matched allocations and frees
+    up to it), each with the operators that allocated it: what a peak is made of."""
+    from torch._C._profiler import _EventType
+
+    memory = sorted((e for e in events if e.typed[0] == _EventType.Allocation and str(e.typed[1].device) == "cpu"),
+                    key=lambda e: e.start_time_ns)
+    live: dict[int, tuple[int, Any]] = {}
+    for event in memory:
+        if event.start_time_ns > at.start_time_ns:
+            break
+        info = event.typed[1]
+        if info.alloc_size > 0:
+            live[info.ptr] = (info.alloc_size, event)
+        else:
+            live.pop(info.ptr, None)
+    print(f"tensor_peak: peak {at.typed[1].total_allocated / 2**20:,.0f} MB at an allocation of "
+          f"{at.typed[1].alloc_size / 2**20:,.1f} MB in {_ops(at)}", file=sys.stderr)
+    by_op: dict[str, list[int]] = {}
+    for size, event in live.values():
+        by_op.setdefault(_ops(event), []).append(size)
+    for ops, sizes in sorted(by_op.items(), key=lambda item: -sum(item[1]))[:15]:
+        print(f"tensor_peak:   {sum(sizes) / 2**20:9,.1f} MB in {len(sizes):4} tensors from {ops}", file=sys.stderr)
 
 
 def file_mapped_bytes(*models: Any) -> int:
