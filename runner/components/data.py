@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from runner.components.data_checks import builder_for
 from runner.components.labels import IGNORE_INDEX
 from runner.config.errors import UserError
+from runner.config.mixture import row_format
 from runner.config.paths import default_cache_dir
 from runner.config.spec import DataFormat, DataSpec
 
@@ -49,6 +50,7 @@ class PreparedData:
     # Instruction formats: per split, what building the examples did (instruct.Counts)
     counts: Optional[dict[str, dict[str, Any]]] = None
     pad_id: int = 0  # what unpacked instruction batches are padded with
+    mixture: Optional[Any] = None  # data.mixture: its rows' sources and each source's figures (mixture.Mixture)
 
 
 def resolve_block_size(data: DataSpec, model_positions: Optional[int], tokenizer_max: int) -> int:
@@ -379,7 +381,10 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
-    """Cached blocks for train and validation; builds them if absent."""
+    """Cached blocks for train and validation; builds them if absent. A mixture: each
+    source's, sampled into one (prepare_mixture)."""
+    if data.mixture:
+        return prepare_mixture(data, tokenizer, block_size)
     started = time.perf_counter()
     root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
     instruct = data.format is not DataFormat.text
@@ -427,6 +432,26 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     )
 
 
+def prepare_mixture(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
+    """data.mixture: each source prepared and cached as a run of it alone would, then
+    sampled into one (runner/components/mixture.py). Its cache_path names the mixture
+    (beside the sources' entries); nothing is written there."""
+    from runner.components.mixture import mix
+
+    started, hits = time.perf_counter(), []
+
+    def prepare_source(source: DataSpec) -> PreparedData:
+        ready = prepare(source, tokenizer, block_size)
+        hits.append(ready.cache_hit)
+        return ready
+
+    mixed = mix(data, prepare_source)
+    root = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else default_cache_dir() / "data"
+    return PreparedData(train=mixed.train.with_format("torch"), validation=mixed.validation.with_format("torch"),
+                        block_size=block_size, cache_path=root / mixed.key, cache_hit=all(hits),
+                        seconds=time.perf_counter() - started, pad_id=pad_token_id(tokenizer), mixture=mixed.mixture)
+
+
 def collate(batch: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
     input_ids = torch.stack([row["input_ids"] for row in batch])
     # Causal LM: labels are the inputs; the model shifts them by one internally.
@@ -437,42 +462,13 @@ def collate_for(data: DataSpec, pad_id: int) -> Callable[[list[dict[str, "torch.
     """The batch builder of the data's format: run_clm's blocks; packed instruction rows
     with their position ids; or instruction examples padded to the longest in the batch;
     preference pairs padded, or packed per micro-batch (preference_batch.py)."""
-    if data.format is DataFormat.text:
+    layout = row_format(data)
+    if layout is DataFormat.text:
         return collate
-    if data.format is DataFormat.preference:
+    if layout is DataFormat.preference:
         from runner.components.preference_batch import pack_pairs, pad_pairs
 
         return partial(pack_pairs if data.packing else pad_pairs, pad_id=pad_id)
     from runner.components.instruct import pad_batch, stack_packed
 
     return stack_packed if data.packing else partial(pad_batch, pad_id=pad_id)
-
-
-def epoch_order_seed(seed: int, epoch: int) -> int:
-    """The generator seed of one epoch's order: the run's seed for epoch 0 (torch's
-    RandomSampler with a generator seeded so gives the same order), then a hash of
-    (seed, epoch). Not seed + epoch: seed s+1's epoch e would be seed s's epoch e+1, and
-    a seed sweep's runs would share their data orders."""
-    if epoch == 0:
-        return seed
-    digest = hashlib.sha256(f"runner-epoch-order:{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-class EpochSampler:
-    """Shuffles with a seed derived from (seed, epoch), so epoch e's order is known
-    without replaying epochs 0..e-1: a resumed run continues the exact order."""
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-
-        generator = torch.Generator().manual_seed(epoch_order_seed(self.seed, self.epoch))
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples

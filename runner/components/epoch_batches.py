@@ -19,6 +19,7 @@ they weigh on one process, wherever they landed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -107,3 +108,32 @@ def masking_fillers(collate: Callable[[list[Any]], dict[str, torch.Tensor]]) -> 
 
     return collate_with_fillers
 
+
+def epoch_order_seed(seed: int, epoch: int) -> int:
+    """The generator seed of one epoch's order: the run's seed for epoch 0 (torch's
+    RandomSampler with a generator seeded so gives the same order), then a hash of
+    (seed, epoch). Not seed + epoch: seed s+1's epoch e would be seed s's epoch e+1, and
+    a seed sweep's runs would share their data orders."""
+    if epoch == 0:
+        return seed
+    digest = hashlib.sha256(f"runner-epoch-order:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class EpochSampler:
+    """Shuffles with a seed derived from (seed, epoch), so epoch e's order is known
+    without replaying epochs 0..e-1: a resumed run continues the exact order."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+
+        generator = torch.Generator().manual_seed(epoch_order_seed(self.seed, self.epoch))
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples

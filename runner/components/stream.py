@@ -35,7 +35,8 @@ from datasets import Dataset, IterableDataset, load_dataset
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from runner.components.data import check_splits, epoch_order_seed, group_texts, text_column_of
+from runner.components.data import check_splits, group_texts, text_column_of
+from runner.components.epoch_batches import epoch_order_seed
 from runner.components.data_checks import check_file
 from runner.config.errors import UserError
 from runner.config.spec import DataSpec

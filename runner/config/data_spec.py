@@ -26,6 +26,40 @@ class TooLong(str, enum.Enum):
     drop = "drop"
 
 
+class MixtureStop(str, enum.Enum):
+    """When a mixture's sampling stops (datasets.interleave_datasets' stopping_strategy)."""
+
+    first_exhausted = "first_exhausted"  # when the first source runs out: no example repeats
+    all_exhausted = "all_exhausted"  # when the last runs out: the others start again (oversampled)
+
+
+@dataclass
+class MixtureSource:
+    """One source of data.mixture: where its records come from and how they are read. A
+    setting left null is the run's own data.* setting (block size, packing, too_long,
+    train_on_prompt and the cache are always the run's)."""
+
+    weight: float = 1.0
+    """Its share of the sampled examples, relative to the other sources' weights (the
+    probabilities are the weights over their sum)."""
+    name: Optional[str] = None
+    """A label for the reports. null: the dataset's name or the train file's name."""
+    dataset_name: Optional[str] = None
+    dataset_config_name: Optional[str] = None
+    train_split: Optional[str] = None
+    validation_split: Optional[str] = None
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    text_column: Optional[str] = None
+    format: Optional[DataFormat] = None
+    prompt_field: Optional[str] = None
+    completion_field: Optional[str] = None
+    messages_field: Optional[str] = None
+    chosen_field: Optional[str] = None
+    rejected_field: Optional[str] = None
+    chat_template: Optional[str] = None
+
+
 @dataclass
 class DataSpec:
     dataset_name: Optional[str] = None
@@ -105,3 +139,15 @@ class DataSpec:
     """Instruction formats: whole examples packed into rows of block_size, position ids
     restarting and attention kept within each example. false: one example a row, padded
     to the longest in its batch."""
+    mixture: Optional[list[MixtureSource]] = None
+    """Several sources trained together in proportions (docs/data.md, Mixtures): each its
+    own dataset or files, format, fields and `weight`. The training examples are sampled
+    from the sources as datasets.interleave_datasets samples them (probabilities from the
+    weights, `mixture_seed`, `mixture_stopping`), once, before training; the run then
+    shuffles and shards that mixture as any prepared data. The validation splits are
+    concatenated. null: one source, the data.* settings above."""
+    mixture_stopping: MixtureStop = MixtureStop.first_exhausted
+    """first_exhausted: stop sampling when a source runs out (no example twice);
+    all_exhausted: when every source has been seen whole (the smaller ones repeat)."""
+    mixture_seed: int = 42
+    """The seed of the mixture's sampling (interleave_datasets' seed)."""

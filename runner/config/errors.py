@@ -65,7 +65,8 @@ def compose_error(exc: BaseException) -> UserError:
     cause = exc.__cause__ or exc
     text = str(cause)
     full_key_match = re.search(r"full_key: (\S+)", text)
-    full_key = full_key_match.group(1) if full_key_match else ""
+    # as an override names it: OmegaConf writes a list's item as data.mixture[0].weight
+    full_key = re.sub(r"\[(\d+)\]", r".\1", full_key_match.group(1)) if full_key_match else ""
     first_line = text.splitlines()[0] if text else type(cause).__name__
 
     unknown = re.match(r"Key '([^']+)' not in '(\w+)'", first_line)

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 
 # Re-exported: the package imports every section and enum of the schema from here.
-from runner.config.data_spec import DataFormat, DataSpec, TooLong  # noqa: F401
+from runner.config.data_spec import DataFormat, DataSpec, MixtureSource, MixtureStop, TooLong  # noqa: F401
 from runner.config.preference_spec import PreferenceLoss, PreferenceSpec, ReferenceMode  # noqa: F401
 
 SPEC_FILENAME = "run_spec.yaml"

@@ -9,9 +9,12 @@ together with these.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Callable, Optional
 
 from runner.config.batch import accumulation_for
+from runner.config.mixture import SINGLE_SOURCE, row_format, source_names, source_specs
 from runner.config.spec import (DataFormat, DataSpec, ObjectiveKind, PeftKind, PreferenceLoss, PreferenceSpec,
                                 ReferenceMode, RunSpec, StrategyKind)
 
@@ -66,9 +69,49 @@ def check_numbers(spec: RunSpec) -> list[str]:
     return p
 
 
+def check_mixture(spec: RunSpec) -> list[str]:
+    """data.mixture: the weights, what a mixture cannot do yet, and each source checked as
+    a run of it alone would be (its problems prefixed with the source)."""
+    d, p = spec.data, []
+    _positive(p, d.mixture_seed, "data.mixture_seed", allow_zero=True)
+    if d.mixture is None:
+        return p
+    if not d.mixture:
+        return [*p, "data.mixture is an empty list: give its sources, or set data.mixture=null."]
+    beside = [f"data.{key}" for key in SINGLE_SOURCE if getattr(d, key)]
+    if beside:
+        p.append(f"data.mixture names the sources; {', '.join(beside)} would be one more: set "
+                 f"{' '.join(f'{key}=null' for key in beside)} (or make it a source of the mixture).")
+    names = source_names(d)
+    weights = [float(source.weight) for source in d.mixture]
+    for name, weight in zip(names, weights):
+        if not math.isfinite(weight) or weight < 0:
+            p.append(f"data.mixture: source {name} has weight {weight}: a weight is a finite number >= 0.")
+    if all(weight == 0 for weight in weights):
+        p.append("data.mixture: every weight is 0, so nothing could be sampled: give a source a weight > 0.")
+    if d.streaming:
+        p.append("data.mixture is sampled into the cache; data.streaming=true does not mix sources yet. Set "
+                 "data.streaming=false.")
+    sources = source_specs(d)
+    formats = {source.format for source in sources}
+    if DataFormat.preference in formats and len(formats) > 1:
+        p.append("data.mixture: preference pairs train a preference objective and mix with nothing else; "
+                 f"these sources are {', '.join(sorted(f.value for f in formats))}. Make every source "
+                 "format=preference, or leave the pairs out.")
+    for name, source in zip(names, sources):
+        if source.format is DataFormat.text and row_format(d) is not DataFormat.text:
+            # the instruction settings are the instruction sources'; its blocks train whole
+            source = replace(source, packing=False, train_on_prompt=False, too_long=DataSpec().too_long)
+        alone = replace(spec, data=source)
+        p += [f"data.mixture: source {name}: {problem}" for problem in check_data_source(alone) + check_format(alone)]
+    return p
+
+
 def check_data_source(spec: RunSpec) -> list[str]:
     """Where the data comes from, as the fields say (the files themselves: launch/preflight.py)."""
     d = spec.data
+    if d.mixture is not None:
+        return []  # check_mixture checks each source
     if d.dataset_name and d.train_file:
         return ["set either data.dataset_name or data.train_file, not both (data.dataset_name=null or data.train_file=null)."]
     if not d.dataset_name and not d.train_file:
@@ -186,6 +229,8 @@ def check_fsdp_world_size(spec: RunSpec, world_size: Optional[int]) -> list[str]
 def check_format(spec: RunSpec) -> list[str]:
     """Instruction formats' settings, and what they cannot do yet."""
     d, p = spec.data, []
+    if d.mixture is not None:
+        return []  # check_mixture checks each source
     if d.format is DataFormat.text:
         defaults = DataSpec()
         set_here = [k for k, v in (("data.packing", d.packing), ("data.train_on_prompt", d.train_on_prompt),
@@ -287,7 +332,7 @@ def reference_mode(spec: RunSpec) -> ReferenceMode:
 def check_preference(spec: RunSpec) -> list[str]:
     """train.objective=dpo and data.format=preference go together; the loss's settings."""
     pref, p = spec.preference, []
-    dpo, pairs = spec.train.objective is ObjectiveKind.dpo, spec.data.format is DataFormat.preference
+    dpo, pairs = spec.train.objective is ObjectiveKind.dpo, row_format(spec.data) is DataFormat.preference
     if dpo != pairs:
         p.append("train.objective=dpo trains on data.format=preference (a prompt, a chosen and a rejected answer), "
                  "and only it does: use objective=dpo with preference data, or neither." if dpo else
@@ -320,7 +365,7 @@ def check_preference(spec: RunSpec) -> list[str]:
 
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
-    check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_data_source, check_streaming,
+    check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_mixture, check_data_source, check_streaming,
     check_format, check_preference, check_peft, check_sweep,
 )
 

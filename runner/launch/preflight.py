@@ -39,8 +39,17 @@ from runner.train.resume import not_a_checkpoint
 
 
 def check_data_files(spec: RunSpec) -> list[str]:
-    """The data's files, cache folder, or hub dataset are there to be read."""
+    """The data's files, cache folder, or hub dataset are there to be read (a mixture's:
+    each source's, its problems naming it)."""
     d, problems = spec.data, []
+    if d.mixture:
+        from dataclasses import replace
+
+        from runner.config.mixture import source_names, source_specs
+
+        for name, source in zip(source_names(d), source_specs(d)):
+            problems += [f"data.mixture: source {name}: {p}" for p in check_data_files(replace(spec, data=source))]
+        return problems
     if d.cache_dir is not None:
         problems += _check_cache_dir(d.cache_dir)
     if d.train_file and d.streaming:  # a stream is not read through here: its bad records are named mid-stream

@@ -64,6 +64,8 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
         train_results["data_seconds"] = round(data.seconds, 3)  # tokenize + group, or read the cache
         if isinstance(data, PreparedData) and data.counts:  # instruction formats: examples, rows, trained tokens
             train_results["instruction_data"] = data.counts
+        if isinstance(data, PreparedData) and data.mixture is not None:
+            train_results["mixture"] = mixture_results(spec, data, trainer.plan, trainer.state.step)
         results = write_results(run_dir, train_results, eval_results or None)
         plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
         log.info(summary_table(results, run_dir))
@@ -71,6 +73,32 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     # it and stops the other ranks, which may be stuck in a collective.
     close(accelerator)
     return results
+
+
+def mixture_results(spec: RunSpec, data: PreparedData, plan: Any, steps: int) -> list[dict[str, Any]]:
+    """Per source: the prepared rows and tokens, its rows in the mixture, the share its
+    weight asked, and the shares of examples and tokens the run trained, in closed form
+    from the schedule: global step k trains rows [k * global batch, (k + 1) * global
+    batch) of its epoch's order (runner/components/epoch_batches.py), an epoch's last
+    step the rest."""
+    from runner.components.epoch_batches import EpochSampler
+
+    rows, per_step = len(data.train), plan.global_batch_size
+    full, partial = divmod(steps, max(plan.steps_per_epoch, 1))
+    trained = [rows] * full + ([min(rows, partial * per_step)] if partial else [])
+    sampler = EpochSampler(rows, spec.train.seed)
+
+    def order(epoch: int) -> list[int]:
+        sampler.set_epoch(epoch)
+        return list(iter(sampler))
+
+    assert data.mixture is not None
+    shares = data.mixture.shares_trained(order, trained)
+    return [{"source": f.name, "share_asked": round(f.share_asked, 6), "prepared_examples": f.examples,
+             "prepared_tokens": f.tokens, "mixture_examples": f.mixed_examples, "mixture_tokens": f.mixed_tokens,
+             "validation_examples": f.validation_examples,
+             "trained_examples_share": round(shares["examples"][i], 6), "trained_tokens_share": round(shares["tokens"][i], 6)}
+            for i, f in enumerate(data.mixture.figures)]
 
 
 def memory_per_rank(accelerator: Accelerator, before_model_mb: float) -> tuple[list[float], list[float]]:

@@ -16,9 +16,9 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from runner.components.data import EpochSampler, PreparedData, collate, collate_for
+from runner.components.data import PreparedData, collate, collate_for
 from runner.components.data import prepare as prepare_data
-from runner.components.epoch_batches import EpochBatches, WithFillers, masking_fillers
+from runner.components.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.config.batch import eval_batch_size
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
@@ -51,6 +51,12 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
         data = prepare_data(spec.data, tokenizer, block_size)
     if accelerator.is_main_process:
         log.info(f"data: {'reused' if data.cache_hit else 'built'} {data.cache_path} in {data.seconds:.1f}s")
+        if data.mixture is not None:
+            for figure in data.mixture.figures:
+                log.info(f"data: mixture: {figure.name}: {figure.examples:,} rows ({figure.tokens:,} tokens) prepared, "
+                         f"{figure.validation_examples:,} held out; {figure.mixed_examples:,} rows "
+                         f"({figure.mixed_tokens:,} tokens, {figure.mixed_examples / max(len(data.train), 1):.1%}) "
+                         f"in the mixture, {figure.share_asked:.1%} asked")
         for split, c in (data.counts or {}).items():
             if "pairs" in c:  # preference data: pairs, one a row (runner/components/preference_data.py)
                 log.info(f"data: {split}: {c['pairs']:,} pairs ({c['truncated']:,} truncated, {c['dropped']:,} dropped "

@@ -20,6 +20,8 @@ MATH = frozenset({
     # instruction data: other examples, other masks, other rows
     "data.format", "data.prompt_field", "data.completion_field", "data.messages_field", "data.chat_template",
     "data.train_on_prompt", "data.too_long", "data.packing",
+    # a mixture: its sources (each a whole list entry: files, formats, weights) and its sampling
+    "data.mixture", "data.mixture_stopping", "data.mixture_seed",
     "optim.kind", "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.max_grad_norm",
     "optim.scale_lr", "optim.reference_global_batch",
     # The same update by another kernel, but it would not take effect: torch's

@@ -194,7 +194,7 @@ def test_an_incomplete_leftover_is_replaced(tmp_path):
 def test_seeds_give_unrelated_data_orders_in_every_epoch():
     """A seed sweep's runs must not share orders: with seed + epoch, seed 2's epoch 0 was
     seed 1's epoch 1."""
-    from runner.components.data import EpochSampler
+    from runner.components.epoch_batches import EpochSampler
 
     def order(seed: int, epoch: int) -> list[int]:
         sampler = EpochSampler(64, seed)

@@ -1,0 +1,50 @@
+"""data.mixture's settings: each impossible one refused in one line naming the fix, each
+source checked as a run of it alone, and the offline recipe valid as shipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.config.mixture import row_format, shares_asked, source_names, source_specs
+from runner.config.spec import DataFormat
+from runner.config.validate import spec_problems
+
+MIX = "recipe=gpt2_mix_tiny"
+
+
+def test_the_offline_mixture_recipe_is_valid_and_reads_as_two_sources(compose_spec):
+    spec = compose_spec(MIX)
+    assert spec_problems(spec) == []
+    assert source_names(spec.data) == ["novels", "instructions"] and shares_asked(spec.data) == [0.7, 0.3]
+    assert [s.format for s in source_specs(spec.data)] == [DataFormat.text, DataFormat.prompt_completion]
+    assert all(s.block_size == 256 and s.packing for s in source_specs(spec.data))  # the run's settings
+    assert row_format(spec.data) is DataFormat.prompt_completion
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.mixture.0.weight=-1"], "source novels has weight -1.0: a weight is a finite number >= 0"),
+    (["data.mixture.0.weight=0", "data.mixture.1.weight=0"], "every weight is 0"),
+    (["data.mixture.1.weight=nan"], "source instructions has weight nan"),
+    (["data.train_file=/data/x.txt"], "set data.train_file=null (or make it a source of the mixture)"),
+    (["data.streaming=true", "train.max_steps=4"], "data.streaming=true does not mix sources yet"),
+    (["data.mixture.1.format=preference", "objective=dpo"], "preference pairs train a preference objective and mix "
+                                                           "with nothing else"),
+    # two text sources: data.packing (the recipe's) is an instruction format's, refused as for one source
+    (["data.mixture.1.format=text"], "source instructions: data.packing set with data.format=text"),
+    (["data.mixture.0.format=chat"], "source novels: data.format=chat reads .json or .jsonl records"),
+    (["data.mixture=[]"], "data.mixture is an empty list"),
+])
+def test_a_bad_mixture_is_refused_naming_the_fix(compose_spec, overrides, says):
+    problems = spec_problems(compose_spec(MIX, *overrides))
+    assert any(says in problem for problem in problems), problems
+
+
+def test_a_weight_that_is_not_a_number_is_refused_by_the_schema(compose_spec):
+    from hydra.errors import ConfigCompositionException
+
+    from runner.config.errors import compose_error
+
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_spec(MIX, "data.mixture.0.weight=heavy")
+    message = str(compose_error(refused.value))
+    assert "data.mixture.0.weight" in message and "could not be converted to Float" in message, message
