@@ -35,6 +35,10 @@ def row_real_tokens(batch: dict[str, Any]) -> Any:
     return torch.full((rows,), length, dtype=torch.int64)
 
 
+# A mixture's evaluation batches name each row's source (runner/components/mixture.py): not a model input.
+SOURCE = "source"
+
+
 def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True) -> dict[str, Any]:
     """The forward's arguments for a batch (its labels only if asked). A packed batch
     (position ids, no attention mask) runs with no cache: a model that builds one (GPT-2
@@ -44,7 +48,7 @@ def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True
     state is a guard that would recompile every layer. Otherwise the model's default
     stays: with neither cache nor mask, transformers looks for packed sequences in the
     position ids it makes, reading the device (a GPU sync a step)."""
-    inputs = {k: v for k, v in batch.items() if (labels or k != "labels") and k != "real_tokens"}
+    inputs = {k: v for k, v in batch.items() if (labels or k != "labels") and k not in ("real_tokens", SOURCE)}
     return {**inputs, "use_cache": False} if "position_ids" in batch or not cache else inputs
 
 

@@ -21,13 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from runner.components.labels import SOURCE
 from runner.config.data_spec import DataFormat, DataSpec
 from runner.config.mixture import row_format, shares_asked, source_names, source_specs
 
 if TYPE_CHECKING:
     from datasets import Dataset
-
-SOURCE = "source"
 
 
 @dataclass
@@ -85,6 +84,16 @@ def mixture_of(train: "Dataset", figures: list[SourceFigures]) -> Mixture:
         figures[source].mixed_examples += 1
         figures[source].mixed_tokens += count
     return Mixture(sources, tokens, figures)
+
+
+def keeping_sources(collate: Callable[[list[Any]], dict[str, Any]]) -> Callable[[list[Any]], dict[str, Any]]:
+    """`collate`, with each row's source in the batch (evaluation reports each source's loss)."""
+    import torch
+
+    def collate_with_sources(rows: list[Any]) -> dict[str, Any]:
+        return {**collate(rows), SOURCE: torch.tensor([int(row[SOURCE]) for row in rows])}
+
+    return collate_with_sources
 
 
 def as_examples(blocks: "Dataset", packing: bool) -> "Dataset":

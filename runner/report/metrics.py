@@ -172,6 +172,10 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
         return _fmt(results[key])
 
     rows = [(label, shown(key)) for key, label in keys if results.get(key) is not None or (key == "train_mfu" and key in results)]
+    # data.mixture: each source's own validation loss, after the total
+    after = next((i + 1 for i, (label, _) in enumerate(rows) if label == "eval loss"), len(rows))
+    rows[after:after] = [(f"  eval loss, {key.split('/', 1)[1]}", _fmt(value)) for key, value in results.items()
+                         if key.startswith("eval_loss/") and value is not None]
     ledger = results.get("goodput")  # the goodput ledger's figures (runner/train/ledger.py), shown as they are
     if ledger and ledger.get("goodput") is not None:
         parts = ledger["parts_seconds"]

@@ -94,11 +94,15 @@ def collect(sweep_dir: Path) -> list[JobRow]:
     # In job-list order; folders this invocation did not visit (an earlier sweep's) last.
     order = {name: int(r.get("num", 0)) for name, r in records.items()}
     jobs = sorted(jobs, key=lambda p: (p.name not in order, order.get(p.name, 0), len(p.name), p.name))
-    names = figure_names([job_objective(job_dir) for job_dir in jobs])
+    results_of = {job_dir: json.loads((job_dir / "all_results.json").read_text())
+                  if (job_dir / "all_results.json").exists() else {} for job_dir in jobs}
+    # and a mixture's own validation loss of each source (data.mixture), as the jobs name them
+    names = figure_names([job_objective(job_dir) for job_dir in jobs]) + list(dict.fromkeys(
+        key for results in results_of.values() for key in results if key.startswith("eval_loss/")))
     for job_dir in jobs:
         status = json.loads((job_dir / JOB_STATUS).read_text()) if (job_dir / JOB_STATUS).exists() else {}
         record = records.get(job_dir.name, {})
-        results = json.loads((job_dir / "all_results.json").read_text()) if (job_dir / "all_results.json").exists() else {}
+        results = results_of[job_dir]
         rows.append(JobRow(
             job=job_dir.name,
             # resume=/overwrite= say how a job was run, not what it is (as its folder name)

@@ -103,9 +103,15 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: i
             generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
             pin_memory=pin,
         )
+    if isinstance(data, PreparedData) and data.mixture is not None:
+        from runner.components.mixture import keeping_sources
+
+        evaluation_batches = keeping_sources(batches)  # each source's loss is reported too
+    else:
+        evaluation_batches = batches
     evaluation = DataLoader(
         data.validation, batch_size=eval_batch_size(t), shuffle=False,
-        collate_fn=batches, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
+        collate_fn=evaluation_batches, num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed), pin_memory=pin,
     )
     return Loaders(train_loader, evaluation, sampler)
 

@@ -38,6 +38,8 @@ class TrainData:
     # Rows hold padding (instruction data): rates and checkpoints count the tokens that are
     # not padding, not the rows' capacity.
     counts_real_tokens: bool = False
+    # data.mixture: the sources' names, in the order the rows' `source` indexes them
+    sources: tuple[str, ...] = ()
 
 
 @dataclass

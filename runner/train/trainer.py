@@ -341,7 +341,7 @@ class Trainer:
         gathered: dict[str, list[torch.Tensor]] = {}
         started = time.perf_counter()
         for batch in self.eval_loader:
-            for name, values in self.objective.eval_rows(self.model, batch).items():
+            for name, values in self.objective.rows_with_sources(self.model, batch).items():
                 gathered.setdefault(name, []).append(acc.gather_for_metrics(values))
         self.strategy.after_evaluation(self.model)  # ZeRO-3: nothing left in flight from the last batch
         self.model.train()
@@ -351,7 +351,7 @@ class Trainer:
         samples = len(next(iter(rows.values())))
         runtime = time.perf_counter() - started
         return {
-            **self.objective.eval_figures(rows),
+            **self.objective.figures_by_source(rows, self.data.sources),
             "eval_samples": samples,
             "eval_runtime": round(runtime, 3),
             "eval_samples_per_second": round(samples / runtime, 3) if runtime > 0 else None,
@@ -364,7 +364,8 @@ class Trainer:
         self._elsewhere("evaluation", time.perf_counter() - started - compiling)
         if results:
             self.state.last_eval = results
-            self.reports.metrics.write({"step": self.state.step, **{k: results[k] for k in self.objective.figures}})
+            self.reports.metrics.write({"step": self.state.step, **{k: results[k] for k in self.objective.figures},
+                                        **{k: v for k, v in results.items() if k.startswith("eval_loss/")}})
             line = f"step {self.state.step}: {self.objective.describe(results)}"
             if progress is not None:
                 progress.write(line)

@@ -57,6 +57,7 @@ from runner.components.model import (
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
+from runner.config.mixture import row_format, source_names
 from runner.config.spec import DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged
@@ -267,7 +268,8 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     return Trainer(
         Engine(accelerator, model, optimizer, scheduler, strategy),
         TrainData(train_loader, eval_loader, sampler, stream=isinstance(sampler, BlockStream), record=data_record,
-                  counts_real_tokens=spec.data.format is not DataFormat.text),
+                  counts_real_tokens=row_format(spec.data) is not DataFormat.text,
+                  sources=tuple(source_names(spec.data))),
         plan, objective,
         LoopSettings(
             run_dir, max_grad_norm=spec.optim.max_grad_norm, log_every=t.log_every, eval_every=t.eval_every,

@@ -135,3 +135,19 @@ def test_a_sweep_over_objectives_shows_each_jobs_own_figures(tmp_path):
 def test_each_objective_summarises_figures_it_reports():
     for kind, objective in OBJECTIVES.items():
         assert objective.summarised and set(objective.summarised) <= set(objective.figures), kind
+
+
+def test_a_mixture_sweep_shows_each_sources_own_loss(tmp_path):
+    """Jobs over data.mixture: a column per source's validation loss (all_results.json's
+    eval_loss/<source>), beside the total; a job without that source shows none."""
+    make_job(tmp_path, 0, ["data.mixture.0.weight=0.7"], "causal_lm",
+             {"eval_loss": 5.5, "perplexity": 244.7, "eval_loss/novels": 5.4, "eval_loss/instructions": 5.9})
+    make_job(tmp_path, 1, ["data.mixture.0.weight=0.5"], "causal_lm",
+             {"eval_loss": 5.6, "perplexity": 270.4, "eval_loss/novels": 5.45, "eval_loss/instructions": 5.75})
+    make_job(tmp_path, 2, ["data.train_file=x.txt"], "causal_lm", {"eval_loss": 5.2, "perplexity": 181.3})
+    summarize(tmp_path)
+    columns, rows = read_csv(tmp_path)
+    assert columns[columns.index("perplexity") + 1:][:2] == ["eval_loss/novels", "eval_loss/instructions"]
+    assert [rows[job]["eval_loss/instructions"] for job in ("0_abc0", "1_abc1", "2_abc2")] == ["5.9", "5.75", ""]
+    header = cells(table_lines((tmp_path / "summary.md").read_text())[0])
+    assert "eval loss/novels" in header or "eval_loss/novels" in header, header

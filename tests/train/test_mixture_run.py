@@ -54,3 +54,32 @@ def test_a_weight_that_is_not_a_number_is_one_line(tmp_path):
     done = run_cli(["recipe=gpt2_mix_tiny", "data.mixture.0.weight=heavy", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "data.mixture.0.weight" in done.stderr and "could not be converted to Float" in done.stderr
+
+
+def test_each_source_is_evaluated_on_its_own(tmp_path):
+    """The novels (weight 1) and a small text of weight 0: the mixture trains the novels'
+    blocks alone, so the run is the novels-only run, and the novels' own validation loss
+    is that run's eval_loss bit for bit; the total is the sources' token-weighted mean
+    (text blocks: equal tokens a row)."""
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"Line {n} of a small text that is evaluated but never sampled.\n" for n in range(400)))
+    held_out = small.with_name("small_valid.txt")
+    held_out.write_text("".join(f"Line {n} of its held-out part.\n" for n in range(200)))
+    novels = asset_path("austen.txt.gz")
+    common = ["recipe=gpt2_clm_tiny", *[o for o in QUICK if not o.startswith("data.max_eval_samples")],
+              "data.validation_split_percentage=1"]
+    single = run_cli([*common, f"hydra.run.dir={tmp_path / 'single'}"])
+    mixed = run_cli([*common, "data.train_file=null",
+                     f"data.mixture=[{{name:novels,train_file:'{novels}',weight:1}},{{name:small,train_file:'{small}',"
+                     f"validation_file:'{held_out}',weight:0}}]", f"hydra.run.dir={tmp_path / 'mixed'}"])
+    assert single.returncode == 0 and mixed.returncode == 0, (single.stderr[-2000:], mixed.stderr[-2000:])
+    alone, ours = (json.loads((tmp_path / name / "all_results.json").read_text()) for name in ("single", "mixed"))
+    assert ours["eval_loss/novels"] == alone["eval_loss"]
+    sources = {m["source"]: m for m in ours["mixture"]}
+    assert sources["small"]["mixture_examples"] == 0 and sources["small"]["trained_examples_share"] == 0.0
+    rows = {name: sources[name]["validation_examples"] for name in sources}
+    assert rows["small"] > 0 and ours["eval_samples"] == sum(rows.values())
+    weighted = sum(rows[name] * ours[f"eval_loss/{name}"] for name in rows) / sum(rows.values())
+    assert abs(weighted - ours["eval_loss"]) < 1e-6 * ours["eval_loss"], (weighted, ours["eval_loss"])
+    assert abs(ours["eval_loss/small"] - ours["eval_loss/novels"]) > 1e-3  # two sources, two losses
+    assert "eval loss, small" in mixed.stderr  # the summary table's row

@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from runner.components.labels import SOURCE
+
 Batch = dict[str, Any]
 
 
@@ -79,6 +81,24 @@ class Objective(abc.ABC):
     @abc.abstractmethod
     def eval_figures(self, rows: dict[str, torch.Tensor]) -> dict[str, float]:
         """The reported figures (`figures`) from every row's `eval_rows`, concatenated."""
+
+    def rows_with_sources(self, model: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        """`eval_rows`, and for a mixture's batch each row's source (runner/components/mixture.py)."""
+        rows = self.eval_rows(model, batch)
+        if SOURCE in batch:
+            rows[SOURCE] = batch[SOURCE]
+        return rows
+
+    def figures_by_source(self, rows: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
+        """`eval_figures` of every row, and each source's eval_loss over its own rows alone
+        (`eval_loss/<name>`, weighted as the total is), where the rows carry their source."""
+        sources = rows.pop(SOURCE, None)
+        figures = self.eval_figures(rows)
+        for index, name in enumerate(names if sources is not None else ()):
+            mine = sources == index
+            if bool(mine.any()):
+                figures[f"eval_loss/{name}"] = self.eval_figures({k: v[mine] for k, v in rows.items()})["eval_loss"]
+        return figures
 
     def describe(self, figures: dict[str, float]) -> str:
         """The log line's account of an evaluation."""
