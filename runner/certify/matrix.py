@@ -150,7 +150,7 @@ def overrides(model_dir: Path, precision: str, strategy: Optional[str], peft: st
     With adapters, their dropout is off too (equal math) and the rate is an adapter's."""
     layout = ["train.per_device_batch_size=8", *architectures.reference_layout(row)] if strategy is None else [
         f"strategy={strategy}", f"launch.nproc_per_node={NPROC}", "train.per_device_batch_size=4"]
-    adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=1e-2"]
+    adapters = [] if peft == "none" else [f"peft={peft}", "peft.dropout=0", "optim.lr=5e-3"]
     return [*COMMON, f"model.name_or_path={model_dir}", f"model.tokenizer_name={model_dir / 'tokenizer'}",
             "model.config_overrides=null", f"precision={precision}",
             *layout, *adapters, *OBJECTIVES[objective], *architectures.run_overrides(row)]

@@ -9,28 +9,18 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from runner.certify.architectures import TINY
+from test_chunked_pairs import scored, tiny_model
+
 from runner.components import chunked_pairs
 from runner.components.chunked_loss import install
 from runner.components.epoch_batches import Filler, masking_fillers
-from runner.components.model import build_config
-from runner.components.objectives.base import ObjectiveSetup
-from runner.components.objectives.dpo import DirectPreference
-from runner.components.objectives.reference import Precomputed, sequence_logps
+from runner.components.objectives.reference import sequence_logps
 from runner.components.preference_batch import SEQUENCE_IDS, answer_tokens, pack_pairs, pad_pairs
-from runner.config.spec import ModelSpec, PreferenceLoss, PreferenceSpec
 
 pytestmark = pytest.mark.unit
 
 PAIRS = 5
-
-
-def tiny_model(model_type: str) -> torch.nn.Module:
-    config = build_config(ModelSpec(model_type=model_type, config_overrides=TINY[model_type]))
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()  # eval: no dropout, so every layout sees one forward
 
 
 def pairs(count: int, vocab: int) -> list[dict]:
@@ -87,17 +77,6 @@ def test_each_packed_sequence_scores_as_it_alone(model_type):
             assert gap < 1e-5, (model_type, chunked_head is not None, gap)
             assert torch.equal(tokens, answer_tokens(pad_pairs(rows, pad_id=0)))
     assert alone_logps.abs().min() > 1.0  # real log-probs, not zeros
-
-
-def scored(model, chunked, loss_type, batch, table):
-    setup = ObjectiveSetup(model=model, processes=1, grad_accum_steps=1, chunked=chunked,
-                           preference=PreferenceSpec(loss_type=PreferenceLoss(loss_type), beta=0.5),
-                           reference=Precomputed({"train": table}, scored=True))
-    objective = DirectPreference(setup)
-    window = objective.open_window([dict(batch)], torch.device("cpu"), all_ranks=False)
-    out = objective.loss(model, window.batches[0])
-    out.backward.backward()
-    return out
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])

@@ -99,7 +99,7 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     chunked, _ = install(model, probe=False)  # as runs evaluate: through the chunked head
     objective = CausalLM(ObjectiveSetup(model, processes=1, grad_accum_steps=1, chunked=chunked))
     holder = SimpleNamespace(accelerator=Accelerator(cpu=True), model=model, eval_loader=loader, objective=objective,
-                             strategy=SimpleNamespace(after_evaluation=lambda model: None))
+                             strategy=SimpleNamespace(after_evaluation=lambda model: None), data=SimpleNamespace(sources=()))
     try:
         return Trainer.evaluate(holder)  # type: ignore[arg-type]
     finally:
