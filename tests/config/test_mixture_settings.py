@@ -48,3 +48,15 @@ def test_a_weight_that_is_not_a_number_is_refused_by_the_schema(compose_spec):
         compose_spec(MIX, "data.mixture.0.weight=heavy")
     message = str(compose_error(refused.value))
     assert "data.mixture.0.weight" in message and "could not be converted to Float" in message, message
+
+
+def test_the_connected_mixture_recipe_composes_and_validates_offline(compose_spec):
+    """recipe=gpt2_mix names hub datasets (unreachable here): its spec composes and
+    validates, its sources are a chat set and run_clm text, with the run's settings."""
+    spec = compose_spec("recipe=gpt2_mix")
+    assert spec_problems(spec) == []
+    assert source_names(spec.data) == ["no_robots", "wikitext"] and shares_asked(spec.data) == [0.6, 0.4]
+    chat, text = source_specs(spec.data)
+    assert (chat.dataset_name, chat.format, text.dataset_config_name, text.format) == (
+        "HuggingFaceH4/no_robots", DataFormat.chat, "wikitext-103-raw-v1", DataFormat.text)
+    assert chat.chat_template and chat.block_size == text.block_size == 1024 and chat.packing
