@@ -36,18 +36,6 @@ def pairs_per_chunk(vocab_size: int, tokens: int, budget: int = CHUNK_LOGIT_BYTE
     return max(1, budget // (4 * max(vocab_size, 1) * 2 * max(tokens, 1)))
 
 
-def _chunk_part(pair_loss: Optional[PairLoss], sums: torch.Tensor, counts: torch.Tensor, count: int, among: slice,
-                logits: torch.Tensor, wanted: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """A chunk of `count` pairs (its sequences' log-prob sums and token counts: chosen,
-    then rejected): its part of the loss, and that part's gradient of the chunk's logits
-    (under enable_grad; None where nothing is differentiated)."""
-    part = None if pair_loss is None else pair_loss(sums[:count], sums[count:], counts[:count], counts[count:], among)
-    g = None
-    if wanted and part is not None and part.requires_grad:
-        (g,) = torch.autograd.grad(part, logits)
-    return part, g
-
-
 class ChunkedPairLoss(torch.autograd.Function):
     """(the loss of the pairs, each sequence's summed log-probs, each sequence's trained
     tokens) of the head over `hidden` (2P x tokens x width) against unshifted `labels`
@@ -73,7 +61,11 @@ class ChunkedPairLoss(torch.autograd.Function):
                 logits.requires_grad_(wanted)
                 losses, _ = token_losses(logits, labels[rows])
                 sums = -losses.sum(dim=-1)
-                part, g = _chunk_part(pair_loss, sums, counts, count, slice(start, end), logits, wanted)
+                part = None if pair_loss is None else pair_loss(
+                    sums[:count], sums[count:], counts[:count], counts[count:], slice(start, end))
+                g = None
+                if wanted and part is not None and part.requires_grad:
+                    (g,) = torch.autograd.grad(part, logits)
             logps[rows] = sums.detach()
             if part is not None:
                 total += part.detach().float()
@@ -124,7 +116,11 @@ class ChunkedPackedPairLoss(torch.autograd.Function):
                 sums = torch.zeros(2 * count, dtype=torch.float32, device=hidden.device).index_add(0, local, -losses)
                 ranks = torch.cat([torch.arange(start, end), torch.arange(pairs + start, pairs + end)]).to(hidden.device)
                 counts = tokens[ranks]
-                part, g = _chunk_part(pair_loss, sums, counts, count, slice(start, end), logits, wanted)
+                part = None if pair_loss is None else pair_loss(
+                    sums[:count], sums[count:], counts[:count], counts[count:], slice(start, end))
+                g = None
+                if wanted and part is not None and part.requires_grad:
+                    (g,) = torch.autograd.grad(part, logits)
             logps[ranks] = sums.detach()
             if part is not None:
                 total += part.detach().float()
