@@ -49,8 +49,9 @@ def pack_pairs(rows: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.T
     """Pair rows as packed rows (the module's docstring): sequence k of
     [chosen_0 .. chosen_{P-1}, rejected_0 .. rejected_{P-1}] goes into the first row with
     room for it. `real_tokens`: each row's tokens less its padding."""
-    sequences = [[int(t) for t in s["input_ids"]] for s in _sequences(rows)]
-    labels = [[int(t) for t in s["labels"]] for s in _sequences(rows)]
+    both = _sequences(rows)
+    sequences = [[int(t) for t in s["input_ids"]] for s in both]
+    labels = [[int(t) for t in s["labels"]] for s in both]
     width = max(len(ids) for ids in sequences)
     packed: list[list[int]] = []  # the sequences of each row
     for k, ids in enumerate(sequences):
