@@ -80,6 +80,27 @@ def patch_train_step(tmp_path: Path, condition: str, action: str) -> dict[str, s
     return {"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
+def run_or_dump(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run for a launch of several processes, which fails with every process's
+    Python stacks instead of hanging: past `timeout`, py-spy (a test dependency) dumps each
+    process of the launch's session, then they are killed."""
+    import signal
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        listed = subprocess.run(["ps", "-o", "pid=,cmd=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+        stacks = [f"{line[:200]}\n" + subprocess.run(["py-spy", "dump", "--pid", line.split()[0]], capture_output=True,
+                                                    text=True, timeout=60).stdout for line in listed.splitlines()[:12]]
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the launch ran past {timeout:.0f} s. Its stderr's end:\n{err[-3000:]}\n"
+                    f"Its processes' stacks:\n" + "\n".join(stacks))
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tokenized data goes to a per-session cache, never the user's."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner.train.checkpoint import complete_checkpoints
-from conftest import patch_train_step
+from conftest import patch_train_step, run_or_dump
 from conftest import MICRO
 from in_turn import run_in_turn
 from runner.report.parity import parity_problems, step_records
@@ -81,7 +81,9 @@ def test_max_restarts_recovers_from_a_killed_worker(ddp_uninterrupted, tmp_path)
         "os._exit(1)  # as if the process were killed",
     )}
     run_dir = tmp_path / "run"
-    done = subprocess.run(cmd(run_dir, "launch.max_restarts=1"), capture_output=True, text=True, timeout=900, env=env)
+    # A collective left waiting on the dead rank gives up in 2 minutes, not the default 30;
+    # a launch that still hangs fails with its processes' stacks (CI saw one hang once).
+    done = run_or_dump(cmd(run_dir, "launch.max_restarts=1", "launch.timeout_minutes=2"), env, timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((run_dir / "all_results.json").read_text())
     assert results["train_steps"] == 24
