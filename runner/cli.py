@@ -49,6 +49,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         if argv[:1] == ["env"]:
             env_main()
+        elif argv[:1] == ["eval"]:
+            _evaluate_run(argv[1:])
         elif argv[:1] == ["certify"]:
             from runner.certify.matrix import main as certify_main
 
@@ -155,6 +157,38 @@ def _run_spec_file(argv: list[str]) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = args.run_dir or Path("outputs") / spec.name / f"{stamp}_{short_hash(args.spec.read_text())}"
     start(spec, run_dir, args.overwrite or spec.overwrite, run_dir_chosen=args.run_dir is not None)
+
+
+def _evaluate_run(argv: list[str]) -> None:
+    """`runner eval RUN_DIR eval.tasks=[...]`: lm-eval's benchmarks on a finished run's saved
+    model, with the run's frozen spec and eval.* changed on the command line, nothing else."""
+    from omegaconf import OmegaConf
+
+    from runner.report import benchmarks
+
+    usage = "usage: runner eval RUN_DIR [eval.tasks=[austen_next,...]] [eval.limit=N] [eval.num_fewshot=K] ..."
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return
+    run_dir, overrides = Path(argv[0]), argv[1:]
+    frozen = run_dir / "run_spec.yaml"
+    if not frozen.is_file():
+        raise UserError(f"runner eval {run_dir}: no run_spec.yaml there. Give the folder of a finished run.\n{usage}")
+    other = [o for o in overrides if not o.startswith("eval.")]
+    if other:
+        raise UserError(f"runner eval changes only eval.* settings (the model is the run's): {' '.join(other)}")
+    try:
+        spec = load_spec(frozen)
+        merged = OmegaConf.merge(OmegaConf.structured(spec), OmegaConf.from_dotlist(overrides))
+        spec = OmegaConf.to_object(merged)
+    except Exception as err:  # a mistyped key or value: one line naming it
+        raise compose_error(err) from None
+    if not spec.eval.tasks:
+        raise UserError(f"runner eval {run_dir}: no tasks to run. Name them: eval.tasks=[austen_next]")
+    problems = benchmarks.check(spec)
+    if problems:
+        raise UserError(problems)
+    benchmarks.evaluate_and_show(spec, run_dir.resolve())
 
 
 def _follow() -> None:

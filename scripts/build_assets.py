@@ -46,6 +46,10 @@ SFT_EXAMPLES = 2000
 SFT_INSTRUCTION = "Continue the passage with its next sentence."
 PREF_FILE = "austen_pref.jsonl.gz"
 PREF_SEED = 1811  # Sense and Sensibility's year: fixes which sentence each pair rejects
+TASK_FILE = "tasks/austen_next/austen_next.jsonl.gz"  # the offline lm-eval task's items (eval.tasks)
+TASK_ITEMS = 200
+TASK_CHOICES = 4
+TASK_SEED = 1775  # Austen's birth year: fixes each item's distractors and where the answer sits
 # Publication order; this fixes the corpus byte layout, so do not reorder.
 NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
 EOT = "<|endoftext|>"
@@ -61,6 +65,7 @@ EXPECTED: dict[str, str] = {
     "austen.txt.gz": "2062c02fb3d8e66bdccdd6dc0b12a14b47b097ecd732120df8c216f2e1317c0d",
     "austen_sft.jsonl.gz": "712aae884b2b6bc581395209f860865ac450d669ef6894797b26522b9229c7c8",
     "austen_pref.jsonl.gz": "97d5f30f64246a6e6b49e7ef8aae476a3a0df96fc5d53b096b124ef8c8d0ccc2",
+    TASK_FILE: "cf108df1e9c52331156529a218b97a89308d65c11efbbcdfa6069c897cce0bfb",
 }
 # sha256 of the *decompressed* corpus: tells a content change apart from a mere
 # difference in gzip/zlib output between builds of Python.
@@ -341,12 +346,40 @@ def build_pref(dest: Path) -> None:
     print(f"preference pairs: {len(records):,} (rejected drawn from {len(pool):,} sentences), {size:,} bytes gzipped")
 
 
+def build_task(dest: Path) -> None:
+    """The offline benchmark task's items (runner/assets/tasks/austen_next/, eval.tasks):
+    the TASK_ITEMS paragraphs after the instruction set's, each a context (the paragraph but
+    its last sentence) and TASK_CHOICES candidate next sentences, the true one at a drawn
+    place and the others drawn (random.Random(TASK_SEED), in order) from the sentences of
+    every other such paragraph, none equal to the true one or to each other."""
+    import random
+
+    kept = passages(read_corpus(dest))
+    pool = [(number, sentence) for number, (_, sentences) in enumerate(kept) for sentence in sentences]
+    draw = random.Random(TASK_SEED)
+    records = []
+    for number in range(SFT_EXAMPLES, SFT_EXAMPLES + TASK_ITEMS):
+        sentences = kept[number][1]
+        context, last = " ".join(sentences[:-1]), sentences[-1]
+        choices = [last]
+        while len(choices) < TASK_CHOICES:
+            source, sentence = pool[draw.randrange(len(pool))]
+            if source != number and sentence not in choices:
+                choices.append(sentence)
+        label = draw.randrange(TASK_CHOICES)
+        choices[0], choices[label] = choices[label], choices[0]
+        records.append({"context": context, "choices": choices, "label": label})
+    (dest / TASK_FILE).parent.mkdir(parents=True, exist_ok=True)
+    size = write_jsonl_gz(dest / TASK_FILE, records)
+    print(f"benchmark task items: {len(records):,} x {TASK_CHOICES} choices, {size:,} bytes gzipped")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"assets dir (default {DEFAULT_OUT})")
     ap.add_argument("--check", action="store_true", help="only verify sha256 of existing files, no rebuild")
     ap.add_argument("--derived", action="store_true",
-                    help="rebuild only the sets made from the vendored corpus (instruction, preference), then verify")
+                    help="rebuild only the sets made from the vendored corpus (instruction, preference, task), then verify")
     ap.add_argument("--rdata-dir", type=Path, default=JANEAUSTENR_DATA, help="janeaustenr data/ dir")
     args = ap.parse_args()
     out: Path = args.out.resolve()
@@ -359,6 +392,7 @@ def main() -> int:
                 build_corpus(out, args.rdata_dir, tok)
             build_sft(out)
             build_pref(out)
+            build_task(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)
             return 2

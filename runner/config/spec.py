@@ -329,6 +329,28 @@ class SweepSpec:
 
 
 @dataclass
+class EvalSpec:
+    """Benchmark evaluation of the saved model (runner/report/benchmarks.py), by EleutherAI's
+    lm-evaluation-harness (`pip install "runner[eval]"`), after training and on demand as
+    `runner eval RUN_DIR eval.tasks=[...]`."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (austen_next ships with runner and runs offline; hellaswag,
+    arc_easy and lm-eval's others read the hub) or paths to task YAML files. Empty: none."""
+    num_fewshot: Optional[int] = None
+    """Examples shown before each question. null: each task's own default."""
+    limit: Optional[int] = None
+    """At most this many documents per task (a quick look; the scores are then not the
+    benchmark's). null: all."""
+    batch_size: int = 8
+    """Requests scored together: changes the speed, not the scores (float rounding aside)."""
+    device: Optional[str] = None
+    """Where the model is evaluated. null: the first GPU when one is visible, else the CPU."""
+    dtype: str = "auto"
+    """The weights' dtype for evaluation: auto (as saved: fp32), bfloat16, float16, float32."""
+
+
+@dataclass
 class RunSpec:
     name: str = "run"
     """Names the run; the default run folder is outputs/<name>/<time>_<hash>."""
@@ -343,6 +365,7 @@ class RunSpec:
     strategy: StrategySpec = field(default_factory=StrategySpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     sweep: SweepSpec = field(default_factory=SweepSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     overwrite: bool = False
     """Allow writing into a run folder that already holds results."""
     tracking: TrackingKind = TrackingKind.tensorboard

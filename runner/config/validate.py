@@ -10,6 +10,7 @@ together with these.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -364,9 +365,27 @@ def check_preference(spec: RunSpec) -> list[str]:
     return p
 
 
+EVAL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVAL_DEVICE = re.compile(r"(cpu|mps|(cuda|xpu|npu)(:\d+)?)")
+
+
+def check_eval(spec: RunSpec) -> list[str]:
+    """eval.*'s own values, whether or not eval.tasks names any (the tasks themselves are
+    looked up where lm-eval is: runner/report/benchmarks.py)."""
+    wanted, p = spec.eval, []
+    _positive(p, wanted.batch_size, "eval.batch_size")
+    _positive(p, wanted.limit, "eval.limit")
+    _positive(p, wanted.num_fewshot, "eval.num_fewshot", allow_zero=True)
+    if wanted.dtype not in EVAL_DTYPES:
+        p.append(f"eval.dtype={wanted.dtype}: choose one of {', '.join(EVAL_DTYPES)}.")
+    if wanted.device is not None and not EVAL_DEVICE.fullmatch(wanted.device):
+        p.append(f"eval.device={wanted.device}: give cpu, cuda, cuda:N (or null: the first GPU when one is visible).")
+    return p
+
+
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_names, check_numbers, check_launch, check_strategy, check_zero_save, check_mixture, check_data_source, check_streaming,
-    check_format, check_preference, check_peft, check_sweep,
+    check_format, check_preference, check_peft, check_sweep, check_eval,
 )
 
 

@@ -33,6 +33,7 @@ from runner.components.model import (
 from runner.config.errors import UserError
 from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
+from runner.report.benchmarks import check as check_benchmarks
 from runner.distributed.strategy import MIXED_PRECISION
 from runner.train.checkpoint import is_complete
 from runner.train.resume import not_a_checkpoint
@@ -251,7 +252,7 @@ def check_resume_path(spec: RunSpec) -> list[str]:
 
 CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
     check_strategy_file, check_accelerate_environment, check_machine, check_gpu_precision, check_fsdp,
-    check_data_files, check_model, check_resume_path,
+    check_data_files, check_model, check_resume_path, check_benchmarks,
 )
 
 

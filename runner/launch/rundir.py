@@ -21,6 +21,9 @@ RESULT_NAMES: tuple[str, ...] = (
     "all_results.json",
     "loss_curves.png",
     "model",
+    "adapter",
+    "benchmark_results.json",  # eval.tasks (runner/report/benchmarks.py)
+    "benchmarks",
     "checkpoints",
     "abandoned",  # branches a resume from an older checkpoint set aside (runner/train/resume.py)
     "run.log",

@@ -58,6 +58,10 @@ def start(
     if spec_path is not None:
         with launch_failures(spec, run_dir):
             launch(spec, spec_path, launched)
+        if spec.eval.tasks and spec.launch.node_rank == 0:  # in this process, once the workers have exited
+            from runner.report.benchmarks import evaluate_and_show
+
+            evaluate_and_show(spec, run_dir.resolve())
 
 
 def claim(

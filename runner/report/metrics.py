@@ -176,6 +176,12 @@ def summary_table(results: dict[str, Any], run_dir: Path) -> str:
     after = next((i + 1 for i, (label, _) in enumerate(rows) if label == "eval loss"), len(rows))
     rows[after:after] = [(f"  eval loss, {key.split('/', 1)[1]}", _fmt(value)) for key, value in results.items()
                          if key.startswith("eval_loss/") and value is not None]
+    # eval.tasks: lm-eval's scores of the saved model (runner/report/benchmarks.py), after the evaluation's
+    evaluated = [i for i, (label, _) in enumerate(rows)
+                 if label.strip().startswith(("eval loss", "perplexity", "token accuracy", "reward"))]
+    at = evaluated[-1] + 1 if evaluated else after
+    rows[at:at] = [(key.split("/", 1)[1].replace("/", " ", 1), _fmt(value)) for key, value in results.items()
+                         if key.startswith("benchmark/") and not key.endswith("_stderr") and value is not None]
     ledger = results.get("goodput")  # the goodput ledger's figures (runner/train/ledger.py), shown as they are
     if ledger and ledger.get("goodput") is not None:
         parts = ledger["parts_seconds"]

@@ -97,8 +97,10 @@ def collect(sweep_dir: Path) -> list[JobRow]:
     results_of = {job_dir: json.loads((job_dir / "all_results.json").read_text())
                   if (job_dir / "all_results.json").exists() else {} for job_dir in jobs}
     # and a mixture's own validation loss of each source (data.mixture), as the jobs name them
+    # and the benchmark scores of eval.tasks, a column per task metric (their standard errors stay in the files)
     names = figure_names([job_objective(job_dir) for job_dir in jobs]) + list(dict.fromkeys(
-        key for results in results_of.values() for key in results if key.startswith("eval_loss/")))
+        key for results in results_of.values() for key in results if key.startswith("eval_loss/")
+        or (key.startswith("benchmark/") and not key.endswith("_stderr"))))
     for job_dir in jobs:
         status = json.loads((job_dir / JOB_STATUS).read_text()) if (job_dir / JOB_STATUS).exists() else {}
         record = records.get(job_dir.name, {})

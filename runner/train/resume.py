@@ -44,7 +44,8 @@ from runner.train.rng import random_state_file, read_random_states
 
 ABANDONED_DIRNAME = "abandoned"  # a newer branch a resume from an older checkpoint set aside
 # What a finished run leaves beside its checkpoints: set aside with its branch.
-BRANCH_RESULTS = ("all_results.json", "train_results.json", "eval_results.json", "loss_curves.png", "model")
+BRANCH_RESULTS = ("all_results.json", "train_results.json", "eval_results.json", "loss_curves.png", "model",
+                  "adapter", "benchmark_results.json", "benchmarks")  # the last two: eval.tasks' scores of that model
 
 
 def _layout(spec: RunSpec, world: int) -> tuple[int, int, int]:

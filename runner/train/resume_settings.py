@@ -67,6 +67,8 @@ HARMLESS = frozenset({
     "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
     "launch.mtbf_hours",  # only the checkpoint interval a run suggests
     "sweep.parity_baseline", "sweep.retry_failed",
+    # benchmark evaluation of the saved model, after training: not what training computes
+    "eval.tasks", "eval.num_fewshot", "eval.limit", "eval.batch_size", "eval.device", "eval.dtype",
     "tracking",  # only where metrics go; metrics.jsonl holds every step whichever tracker
     "precision.max_consecutive_skipped_steps",  # when fp16 overflows stop the run, not what a step computes
     "strategy.reshard_after_forward",  # FSDP2 re-gathers parameters or keeps them: memory and communication

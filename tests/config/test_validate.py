@@ -87,6 +87,8 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "resume": lambda tmp: str(tmp / "no_checkpoint"),
     "run_dir": lambda tmp: str(tmp / "elsewhere"),
     "sweep.parity_baseline": lambda tmp: "strategy",  # neither an index nor key=value overrides
+    "eval.device": lambda tmp: "gpu0",
+    "eval.dtype": lambda tmp: "fp8",
 }
 
 

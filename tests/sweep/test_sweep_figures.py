@@ -151,3 +151,20 @@ def test_a_mixture_sweep_shows_each_sources_own_loss(tmp_path):
     assert [rows[job]["eval_loss/instructions"] for job in ("0_abc0", "1_abc1", "2_abc2")] == ["5.9", "5.75", ""]
     header = cells(table_lines((tmp_path / "summary.md").read_text())[0])
     assert "eval loss/novels" in header or "eval_loss/novels" in header, header
+
+
+def test_a_sweep_with_benchmarks_shows_a_column_per_task_metric(tmp_path):
+    """eval.tasks: each task metric of all_results.json (benchmark/<task>/<metric>) is a
+    column after the evaluation's; their standard errors are not; a job without the
+    benchmark (it failed before it) shows none."""
+    make_job(tmp_path, 0, ["precision=fp32"], "causal_lm",
+             {"eval_loss": 5.5, "perplexity": 244.7, "benchmark/austen_next/acc": 0.31,
+              "benchmark/austen_next/acc_stderr": 0.03, "benchmark/austen_next/acc_norm": 0.27})
+    make_job(tmp_path, 1, ["precision=bf16"], "causal_lm", {"eval_loss": 5.6, "perplexity": 270.4})
+    summarize(tmp_path)
+    columns, rows = read_csv(tmp_path)
+    assert columns[columns.index("perplexity") + 1:][:2] == ["benchmark/austen_next/acc", "benchmark/austen_next/acc_norm"]
+    assert not any(c.endswith("_stderr") for c in columns), columns
+    assert [rows[job]["benchmark/austen_next/acc"] for job in ("0_abc0", "1_abc1")] == ["0.31", ""]
+    header = cells(table_lines((tmp_path / "summary.md").read_text())[0])
+    assert any("austen" in h and h.endswith("acc") for h in header), header
