@@ -1,8 +1,10 @@
-"""A mixture resumes on another world size at the same example: 2 processes x 4 killed
-after step 3's checkpoint, resumed on 1 process x 8, equals one uninterrupted 1 x 8 run at
-every step (dropout off: a layout change cannot continue a rank's random stream). The
-smaller source (12 examples, one a row, weight 0.5, first_exhausted) ends the mixture's epoch
-after 3 steps, so the run trains past it twice, and rank 1's batches hold fillers."""
+"""A mixture trains the same examples in every layout and strategy, and resumes on another
+world size at the same example: ddp, zero2, zero3 and fsdp at 2 processes x 4, and 2 x 4
+killed after step 3's checkpoint and resumed on 1 process x 8, each equal one uninterrupted
+1 x 8 run at every step (dropout off: a layout change cannot continue a rank's random
+stream). The smaller source (12 examples, one a row, weight 0.5, first_exhausted) ends the
+mixture's epoch after 3 steps, so the runs train past it twice, and rank 1's batches hold
+fillers."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from runner.config.paths import asset_path
 from runner.report.parity import parity_problems, step_records
 from runner.train.checkpoint import complete_checkpoints
+from in_turn import run_in_turn
 from test_checkpoint import kill_9_after_checkpoint
 
 pytestmark = pytest.mark.multiprocess
@@ -31,39 +34,64 @@ def mixture_run(small: Path) -> list[str]:
             "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "train.save_every=3", "tracking=none"]
 
 
-@pytest.fixture
-def small(tmp_path) -> Path:
+LAYOUTS = {"2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"], "1x8": ["train.per_device_batch_size=8"]}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
     def records(counts: range) -> str:
         return "".join(json.dumps({"prompt": f"Count to {n}:", "completion": " " + " ".join(map(str, range(n)))}) + "\n"
                        for n in counts)
 
-    path = tmp_path / "small.jsonl"
+    path = tmp_path_factory.mktemp("small") / "small.jsonl"
     path.write_text(records(range(1, 13)))  # 12 examples
     path.with_name("valid.jsonl").write_text(records(range(13, 16)))
     return path
 
 
-def test_a_mixture_killed_at_2_processes_resumes_on_one_at_the_same_example(tmp_path, small):
-    layouts = {"2x4": ["launch.nproc_per_node=2", "train.per_device_batch_size=4"],
-               "1x8": ["train.per_device_batch_size=8"]}
+def run(small: Path, run_dir: Path, layout: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", *mixture_run(small), *LAYOUTS[layout], *extra, f"hydra.run.dir={run_dir}"]
 
-    def run(run_dir: Path, layout: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "runner", *mixture_run(small), *layouts[layout], *extra, f"hydra.run.dir={run_dir}"]
 
-    reference = tmp_path / "reference"
-    done = subprocess.run(run(reference, "1x8"), capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def reference(small, tmp_path_factory) -> Path:
+    """The uninterrupted run on one process, 1 x 8."""
+    folder = tmp_path_factory.mktemp("reference") / "run"
+    done = subprocess.run(run(small, folder, "1x8"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    mixture = json.loads((reference / "all_results.json").read_text())["mixture"]
+    mixture = json.loads((folder / "all_results.json").read_text())["mixture"]
     assert [m["source"] for m in mixture] == ["novels", "small"] and mixture[1]["mixture_examples"] == 12
     steps_per_epoch = -(-sum(m["mixture_examples"] for m in mixture) // 8)
     assert steps_per_epoch < 8 // 2  # two epoch ends inside the run
+    return folder
 
+
+def test_a_mixture_killed_at_2_processes_resumes_on_one_at_the_same_example(tmp_path, small, reference):
     run_dir = tmp_path / "changing"
-    kill_9_after_checkpoint(run(run_dir, "2x4"), run_dir, step=3)
+    kill_9_after_checkpoint(run(small, run_dir, "2x4"), run_dir, step=3)
     assert complete_checkpoints(run_dir)[-1].name == "step_3"
-    done = subprocess.run(run(run_dir, "1x8", "resume=auto"), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(run(small, run_dir, "1x8", "resume=auto"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accepted change layout 2x4x1 -> 1x8x1" in done.stderr
     ours, theirs = step_records(run_dir / "metrics.jsonl"), step_records(reference / "metrics.jsonl")
     assert sorted(ours) == list(range(1, 9))
     assert parity_problems(theirs, ours) == []
+
+
+def test_every_strategy_trains_the_mixtures_examples_as_one_process_does(tmp_path, small, reference):
+    """At every step the loss and gradient norm of one process (1e-4, 0.1%); the same
+    realised shares (computed from the schedule) and each source's validation loss."""
+    strategies = ("ddp", "zero2", "zero3", "fsdp")
+    runs = run_in_turn(tmp_path, {s: [*mixture_run(small), *LAYOUTS["2x4"], f"strategy={s}"] for s in strategies},
+                       timeout=1200)
+    theirs = step_records(reference / "metrics.jsonl")
+    expected = json.loads((reference / "all_results.json").read_text())
+    for strategy, folder in runs.items():
+        assert parity_problems(theirs, step_records(folder / "metrics.jsonl")) == [], strategy
+        results = json.loads((folder / "all_results.json").read_text())
+        assert results["mixture"] == expected["mixture"], strategy
+        # each source with validation rows among data.max_eval_samples's (the novels' here), and the total
+        figures = [key for key in expected if key.startswith("eval_loss")]
+        assert "eval_loss/novels" in figures
+        for key in figures:
+            assert abs(results[key] - expected[key]) <= 1e-4, (strategy, key)
