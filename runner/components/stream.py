@@ -14,6 +14,13 @@ blocks permuted by a seed of (run seed, epoch, window number); its state is the
 library's own position at the window's start plus how many of the window's blocks were
 handed out. A resume restores that position through the iterable's `load_state_dict`,
 re-reads at most one window, and continues at the exact next block.
+
+A mixture (data.mixture) streams too: each source's blocks (and its held-out head) as a
+stream of it alone would read them, tagged with the source's index, sampled into one
+stream by `datasets.interleave_datasets` (the weights' probabilities, the mixture's seed
+and stopping rule), whose position the library saves and restores as it does a file's.
+Every rank reads the mixed stream and keeps every world-th block; `BlockStream` counts
+the blocks it hands out per source, in its state, for the realised shares.
 """
 
 from __future__ import annotations
@@ -31,14 +38,16 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-from datasets import Dataset, IterableDataset, load_dataset
+from datasets import Dataset, IterableDataset, interleave_datasets, load_dataset
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
 from runner.components.data import check_splits, group_texts, text_column_of
 from runner.components.epoch_batches import epoch_order_seed
 from runner.components.data_checks import check_file
+from runner.components.labels import SOURCE
 from runner.config.errors import UserError
+from runner.config.mixture import shares_asked, source_names, source_specs
 from runner.config.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -108,7 +117,9 @@ def check_stream_files(pattern: str, override: str) -> list[str]:
 def training_files(data: DataSpec) -> list[list[Any]]:
     """The training files a stream reads, in shard order, as [real path, bytes]: what a
     checkpoint's position indexes (datasets counts files by their place in this list).
-    Empty for a hub dataset, whose files the hub versions."""
+    Empty for a hub dataset, whose files the hub versions; a mixture's sources' in turn."""
+    if data.mixture:
+        return [entry for source in source_specs(data) for entry in training_files(source)]
     if data.dataset_name or not data.train_file:
         return []
     return [[os.path.realpath(f), os.path.getsize(f)] for f in expand_files(str(data.train_file), "data.train_file")]
@@ -207,7 +218,7 @@ class BlockStream(torch.utils.data.IterableDataset):
     torchdata's StatefulDataLoader in each loader worker, saves and restores it."""
 
     def __init__(self, blocks: IterableDataset, files: list[str], shuffle_buffer: int, seed: int,
-                 limit: Optional[int] = None, step: tuple[int, int] = (0, 1)) -> None:
+                 limit: Optional[int] = None, step: tuple[int, int] = (0, 1), sources: int = 0) -> None:
         self.pristine = blocks  # never iterated: each pass starts from a copy (load_state_dict sticks to an iterable)
         self.files = files  # this rank's files, in shard order, to name a bad record's file
         self.window = max(1, shuffle_buffer)
@@ -217,6 +228,8 @@ class BlockStream(torch.utils.data.IterableDataset):
         # (rank, world): keep every world-th block of a stream every rank reads whole (see open_stream)
         self.offset, self.stride = step
         self.epoch = 0
+        # a mixture's blocks handed out per source, over every pass (kept in the state)
+        self.counts = [0] * sources
         self._state: Optional[dict[str, Any]] = None
         self._resume: Optional[dict[str, Any]] = None
 
@@ -224,10 +237,12 @@ class BlockStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self._state) if self._state else {"epoch": self.epoch, "start": None}
+        return copy.deepcopy(self._state) if self._state else {"epoch": self.epoch, "start": None,
+                                                                "sources": list(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
+        self.counts = list(state.get("sources", self.counts))
         self._resume = state if state.get("start") is not None else None
 
     def _order(self, window: int, n: int) -> list[int]:
@@ -257,11 +272,16 @@ class BlockStream(torch.utils.data.IterableDataset):
                 return
             order = self._order(window, len(blocks))
             for k in range(index, len(blocks)):
-                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1, "taken": taken}
-                yield {"input_ids": torch.tensor(blocks[order[k]]["input_ids"], dtype=torch.long)}
+                block = blocks[order[k]]
+                if self.counts:
+                    self.counts[int(block[SOURCE])] += 1
+                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1, "taken": taken,
+                               "sources": list(self.counts)}
+                yield {"input_ids": torch.tensor(block["input_ids"], dtype=torch.long)}
             # the window is spent: the next one starts after it
             window, index, taken = window + 1, 0, taken + len(blocks)
-            self._state = {"epoch": self.epoch, "start": stream.state_dict(), "window": window, "index": 0, "taken": taken}
+            self._state = {"epoch": self.epoch, "start": stream.state_dict(), "window": window, "index": 0, "taken": taken,
+                           "sources": list(self.counts)}
 
     def _read(self, stream: IterableDataset, rows: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         try:
@@ -304,6 +324,7 @@ class StreamedData:
     block_size: int
     source: str
     seconds: float
+    sources: tuple[str, ...] = ()  # a mixture's sources, in the order the blocks' `source` indexes them
 
 
 def held_out_blocks(data: DataSpec, validation: Optional[Source]) -> Optional[int]:
@@ -313,10 +334,10 @@ def held_out_blocks(data: DataSpec, validation: Optional[Source]) -> Optional[in
     return None if validation is not None else DEFAULT_HELD_OUT_BLOCKS
 
 
-def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int, seed: int,
-                rank: int = 0, world_size: int = 1) -> StreamedData:
-    """This rank's training stream and the evaluation blocks (read now, kept in memory)."""
-    started = time.perf_counter()
+def source_blocks(data: DataSpec, tokenizer: "PreTrainedTokenizerBase",
+                  block_size: int) -> tuple[IterableDataset, list[dict[str, Any]], Source, Optional[Source]]:
+    """One source's training blocks and its evaluation blocks, read now (held out from the
+    training stream's head when there is no validation file or split)."""
     train_source, validation_source = sources(data)
     with named_bad_records(train_source, "the training stream"):
         train_blocks = to_blocks(train_source.open(data), data, tokenizer, block_size)
@@ -329,12 +350,17 @@ def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size
         with named_bad_records(validation_source, "the validation stream"):
             validation_blocks = to_blocks(validation_source.open(data), data, tokenizer, block_size)
             head = list(validation_blocks if n_eval is None else islice(validation_blocks, n_eval))
-    if data.max_eval_samples is not None:
-        head = head[: data.max_eval_samples]
-    if not head:
-        where = data.validation_file or "the validation split"
-        raise UserError(f"the validation data ({where}) is shorter than one block of {block_size} tokens. Give a longer "
-                        "data.validation_file, or lower data.block_size.")
+    return train_blocks, head, train_source, validation_source
+
+
+def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int, seed: int,
+                rank: int = 0, world_size: int = 1) -> StreamedData:
+    """This rank's training stream and the evaluation blocks (read now, kept in memory)."""
+    started = time.perf_counter()
+    if data.mixture:
+        return open_mixed_stream(data, tokenizer, block_size, seed, rank, world_size, started)
+    train_blocks, head, train_source, validation_source = source_blocks(data, tokenizer, block_size)
+    head = evaluation_head(data, head, block_size)
     files, step = train_source.files, (0, 1)
     limit = None if data.max_train_samples is None else max(1, data.max_train_samples // world_size)
     if world_size > 1:
@@ -352,6 +378,59 @@ def open_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size
     stream = BlockStream(train_blocks, files, data.shuffle_buffer, seed, limit=limit, step=step)
     validation = Dataset.from_dict({"input_ids": [row["input_ids"] for row in head]}).with_format("torch")
     return StreamedData(stream, validation, block_size, train_source.describe(), time.perf_counter() - started)
+
+
+def evaluation_head(data: DataSpec, head: list[dict[str, Any]], block_size: int) -> list[dict[str, Any]]:
+    """The evaluation blocks, cut to data.max_eval_samples; none is refused."""
+    if data.max_eval_samples is not None:
+        head = head[: data.max_eval_samples]
+    if not head:
+        where = data.validation_file or "the validation split"
+        raise UserError(f"the validation data ({where}) is shorter than one block of {block_size} tokens. Give a longer "
+                        "data.validation_file, or lower data.block_size.")
+    return head
+
+
+def open_mixed_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int, seed: int,
+                      rank: int, world_size: int, started: float) -> StreamedData:
+    """A mixture's stream: each source's blocks tagged with its index and sampled into one
+    by `datasets.interleave_datasets` (a source of weight 0 is evaluated, never trained);
+    every rank reads the mixed stream and keeps every world-th block. The evaluation
+    blocks are each source's, in the sources' order, each with its index."""
+    names, shares = source_names(data), shares_asked(data)
+    trained, heads, files, described = [], [], [], []
+    for index, (name, source) in enumerate(zip(names, source_specs(data))):
+        blocks, head, train_source, _ = source_blocks(source, tokenizer, block_size)
+        heads += [{"input_ids": row["input_ids"], SOURCE: index} for row in head]
+        described.append(f"{name} ({shares[index]:.0%}): {train_source.describe()}")
+        if shares[index] > 0:
+            trained.append(blocks.map(lambda batch, i=index: {SOURCE: [i] * len(batch["input_ids"])}, batched=True))
+            files += train_source.files
+    mixed = interleave_datasets(trained, probabilities=[share for share in shares if share > 0], seed=data.mixture_seed,
+                                stopping_strategy=data.mixture_stopping.value)
+    head = evaluation_head(data, heads, block_size)
+    limit = None if data.max_train_samples is None else max(1, data.max_train_samples // world_size)
+    stream = BlockStream(mixed, files, data.shuffle_buffer, seed, limit=limit,
+                         step=(rank, world_size) if world_size > 1 else (0, 1), sources=len(names))
+    validation = Dataset.from_dict({"input_ids": [row["input_ids"] for row in head],
+                                    SOURCE: [row[SOURCE] for row in head]}).with_format("torch")
+    return StreamedData(stream, validation, block_size, "a mixture of " + "; ".join(described),
+                        time.perf_counter() - started, sources=tuple(names))
+
+
+def blocks_handed_out(state: Any) -> list[int]:
+    """A mixture's blocks per source in a stream's saved state (the loader's: a BlockStream
+    state, or one per loader worker), summed."""
+    if isinstance(state, dict):
+        if "sources" in state and "epoch" in state:
+            return list(state["sources"])
+        parts = [blocks_handed_out(value) for value in state.values()]
+    elif isinstance(state, (list, tuple)):
+        parts = [blocks_handed_out(value) for value in state]
+    else:
+        return []
+    parts = [part for part in parts if part]
+    return [sum(column) for column in zip(*parts)] if parts else []
 
 
 def first_step(streamed: StreamedData, data: DataSpec, per_step: int, rank: int = 0, world_size: int = 1) -> None:

@@ -90,9 +90,6 @@ def check_mixture(spec: RunSpec) -> list[str]:
             p.append(f"data.mixture: source {name} has weight {weight}: a weight is a finite number >= 0.")
     if all(weight == 0 for weight in weights):
         p.append("data.mixture: every weight is 0, so nothing could be sampled: give a source a weight > 0.")
-    if d.streaming:
-        p.append("data.mixture is sampled into the cache; data.streaming=true does not mix sources yet. Set "
-                 "data.streaming=false.")
     sources = source_specs(d)
     formats = {source.format for source in sources}
     if DataFormat.preference in formats and len(formats) > 1:

@@ -41,6 +41,8 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
     fingerprints = rank_fingerprints(accelerator, model, strategy)
     check_in_sync(fingerprints)  # a silent fallback to unsynchronised copies ends here
     train_results["rank_param_fingerprints"] = fingerprints
+    streamed_mixture = (streamed_mixture_results(spec, accelerator, trainer, data)
+                        if isinstance(data, StreamedData) and data.sources else None)  # a collective: every rank
     peaks, befores = memory_per_rank(accelerator, before_model_mb)
     train_results["peak_memory_mb_per_rank"], train_results["host_memory_before_model_mb_per_rank"] = peaks, befores
     train_results["peak_memory_mb"] = max(train_results["peak_memory_mb_per_rank"])
@@ -66,6 +68,8 @@ def finish(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, trainer:
             train_results["instruction_data"] = data.counts
         if isinstance(data, PreparedData) and data.mixture is not None:
             train_results["mixture"] = mixture_results(spec, data, trainer.plan, trainer.state.step)
+        elif streamed_mixture is not None:
+            train_results["mixture"] = streamed_mixture
         results = write_results(run_dir, train_results, eval_results or None)
         plot_loss_curves(run_dir / "metrics.jsonl", run_dir / PLOT_FILENAME, title=f"{spec.name}: {run_dir.name}")
         log.info(summary_table(results, run_dir))
@@ -99,6 +103,24 @@ def mixture_results(spec: RunSpec, data: PreparedData, plan: Any, steps: int) ->
              "validation_examples": f.validation_examples,
              "trained_examples_share": round(shares["examples"][i], 6), "trained_tokens_share": round(shares["tokens"][i], 6)}
             for i, f in enumerate(data.mixture.figures)]
+
+
+def streamed_mixture_results(spec: RunSpec, accelerator: Accelerator, trainer: Trainer,
+                             data: StreamedData) -> list[dict[str, Any]]:
+    """A streamed mixture's realised shares: the blocks each rank's stream handed its loader,
+    per source, as the loader's state (what a checkpoint saves, so a resume carries them
+    on) holds them, summed over the ranks. Every block is block_size tokens, so the shares
+    of examples and of tokens are one. A pass's remainder shorter than a step, counted
+    though not trained, is the only difference from the steps' own blocks."""
+    from runner.components.stream import blocks_handed_out
+    from runner.config.mixture import shares_asked
+
+    mine = blocks_handed_out(trainer.data.train_loader.state_dict()) or [0] * len(data.sources)
+    counts = accelerator.gather(torch.tensor([mine], device=accelerator.device)).sum(dim=0).tolist()
+    total = max(sum(counts), 1)
+    return [{"source": name, "share_asked": round(asked, 6), "trained_blocks": int(count),
+             "trained_examples_share": round(count / total, 6), "trained_tokens_share": round(count / total, 6)}
+            for name, asked, count in zip(data.sources, shares_asked(spec.data), counts)]
 
 
 def memory_per_rank(accelerator: Accelerator, before_model_mb: float) -> tuple[list[float], list[float]]:

@@ -26,7 +26,9 @@ def test_the_offline_mixture_recipe_is_valid_and_reads_as_two_sources(compose_sp
     (["data.mixture.0.weight=0", "data.mixture.1.weight=0"], "every weight is 0"),
     (["data.mixture.1.weight=nan"], "source instructions has weight nan"),
     (["data.train_file=/data/x.txt"], "set data.train_file=null (or make it a source of the mixture)"),
-    (["data.streaming=true", "train.max_steps=4"], "data.streaming=true does not mix sources yet"),
+    # a stream reads text blocks only: the instruction source is refused, named
+    (["data.streaming=true", "train.max_steps=4"], "source instructions: data.format=prompt_completion reads its "
+                                                   "examples into the cache; data.streaming=true is for data.format=text"),
     (["data.mixture.1.format=preference", "objective=dpo"], "preference pairs train a preference objective and mix "
                                                            "with nothing else"),
     # two text sources: data.packing (the recipe's) is an instruction format's, refused as for one source

@@ -208,3 +208,23 @@ def test_a_changed_file_list_under_the_glob_is_refused_and_a_resized_file_is_nam
     accepted = resume()
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert f"resume: accepted change data.train_file: {(data / '2.jsonl').resolve()} (" in accepted.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_streamed_mixture_killed_at_two_processes_resumes_bit_for_bit(tmp_path):
+    """data.mixture streamed: the novels (0.7) and a source of a few blocks (0.3, all_exhausted,
+    so it starts again within the first pass), shuffled in windows, dropout on, killed at
+    step 15 and resumed: every step bit for bit, and the blocks trained per source, carried
+    in the checkpoints' stream positions, as the uninterrupted run counted them."""
+    small = tmp_path / "small.txt"
+    small.write_text("\n".join(austen_lines(2430)[2400:]) + "\n")
+    mixture = (f"data.mixture=[{{name:novels,train_file:'{asset_path('austen.txt.gz')}',weight:0.7}},"
+               f"{{name:small,train_file:'{small}',weight:0.3}}]")
+    reference, resumed, stderr = kill_and_resume(tmp_path, "data.train_file=null", mixture, "data.mixture_stopping=all_exhausted",
+                                                 "launch.nproc_per_node=2", "train.per_device_batch_size=2")
+    assert "resuming from" in stderr and "step_15" in stderr
+    assert sorted(resumed) == list(range(1, 25))
+    assert [s for s in reference if resumed[s] != reference[s]] == []
+    shares = [json.loads((tmp_path / run / "all_results.json").read_text())["mixture"] for run in ("full", "cut")]
+    assert shares[0] == shares[1] and sum(m["trained_blocks"] for m in shares[0]) == 24 * 4
+    assert [m["source"] for m in shares[0]] == ["novels", "small"] and shares[0][1]["trained_blocks"] > 9
