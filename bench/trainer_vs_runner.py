@@ -77,10 +77,12 @@ def _build_model(vocab_size: int, config_overrides: str = CONFIG_OVERRIDES) -> A
     return model
 
 
-def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRIDES, bf16: bool = False) -> None:
+def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRIDES, bf16: bool = False,
+                   block: int = BLOCK, batch: int = BATCH, use_cpu: bool = True) -> None:
     """run_clm.py's path, condensed: load_dataset('text'), 5% validation split,
     tokenize, group_texts, Trainer with default_data_collator. `config_overrides`: run_clm's
-    --config_overrides ("" for GPT-2 small, 124M); `bf16`: its --bf16."""
+    --config_overrides ("" for GPT-2 small, 124M); `bf16`: its --bf16; `use_cpu=False`: the
+    GPU the Trainer finds (bench/gpu_check.py)."""
     from itertools import chain
 
     from datasets import DatasetDict, load_dataset
@@ -115,19 +117,19 @@ def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRID
 
     def group_texts(examples):  # type: ignore[no-untyped-def]
         concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
-        total = (len(concatenated[list(examples.keys())[0]]) // BLOCK) * BLOCK
-        result = {k: [t[i : i + BLOCK] for i in range(0, total, BLOCK)] for k, t in concatenated.items()}
+        total = (len(concatenated[list(examples.keys())[0]]) // block) * block
+        result = {k: [t[i : i + block] for i in range(0, total, block)] for k, t in concatenated.items()}
         result["labels"] = result["input_ids"].copy()
         return result
 
-    lm = tokenized.map(group_texts, batched=True, desc=f"Grouping texts in chunks of {BLOCK}")
+    lm = tokenized.map(group_texts, batched=True, desc=f"Grouping texts in chunks of {block}")
 
     set_seed(SEED)  # run_clm seeds before building the model
     model = _build_model(len(tokenizer), config_overrides)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output_dir:
         args = TrainingArguments(
             output_dir=output_dir,
-            per_device_train_batch_size=BATCH,
+            per_device_train_batch_size=batch,
             max_steps=steps,
             learning_rate=LR,
             weight_decay=WEIGHT_DECAY,
@@ -139,7 +141,7 @@ def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRID
             eval_strategy="no",
             report_to=[],
             seed=SEED,
-            use_cpu=True,
+            use_cpu=use_cpu,
             bf16=bf16,
             dataloader_num_workers=0,
             disable_tqdm=True,
@@ -153,7 +155,18 @@ def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRID
         )
         trainer.train()
         optim = getattr(args.optim, "value", str(args.optim))
-    out.write_text(json.dumps({"step_end_times": stamps, "optim": optim}))
+    out.write_text(json.dumps({"step_end_times": stamps, "optim": optim, "peak_memory_mb": _peak_memory_mb()}))
+
+
+def _peak_memory_mb() -> float:
+    """The process's peak: CUDA's max reserved on a GPU (as runner reports it), else peak RSS."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_reserved() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def worker_plain(steps: int, out: Path) -> None:

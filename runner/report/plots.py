@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Optional
 
 PLOT_FILENAME = "loss_curves.png"
 
@@ -14,8 +16,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_loss_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
-    import matplotlib
+def plot_loss_curves(metrics_path: Path, out_path: Path, title: str = "") -> Optional[Path]:
+    """The PNG; None, said once, where matplotlib is missing (a dependency of runner, but a
+    machine running runner from a checkout, as scripts/gpu-check.sh does, may lack it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger("runner").warning(f"{out_path.name} not written: matplotlib is not installed (pip install matplotlib)")
+        return None
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt

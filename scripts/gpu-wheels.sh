@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Download here, beforehand, what scripts/gpu-check.sh installs on a lent GPU machine that
+# has no network: its image has torch, transformers, accelerate and peft, not hydra-core,
+# omegaconf, datasets, deepspeed or liger-kernel. Into .gpu-wheels/ (ignored by git), for
+# the image's Python (default 3.12: give another as the first argument), the versions
+# installed here, at most 64 MiB in all (what travels with the working tree).
+#
+#   scripts/gpu-wheels.sh            # then: run scripts/gpu-check.sh with carry [".gpu-wheels"]
+#   scripts/gpu-wheels.sh 3.11
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-3.12}
+OUT=.gpu-wheels
+rm -rf "$OUT" && mkdir -p "$OUT"
+version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+# Binary wheels for that Python on x86-64 Linux, without their dependencies: each is named.
+# pyarrow is datasets' oldest allowed (>= 24), the smallest: 49 MB of the 64 MiB, pandas 12 more.
+# Left out as the image has them or the check does not need them: huggingface-hub (transformers 5's),
+# ninja (deepspeed's JIT ops only), tzdata (pandas reads time zones from the system's). `import deepspeed`
+# itself needs einops and msgpack.
+download() {
+  python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$OUT" \
+    --python-version "$PY" --implementation cp --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$@"
+}
+download "hydra-core==$(version hydra-core)" "omegaconf==$(version omegaconf)" "datasets==$(version datasets)" \
+  "torchdata==$(version torchdata)" "liger-kernel==$(version liger-kernel)" \
+  "pyarrow==24.0.0" pandas dill multiprocess xxhash "fsspec==$(version fsspec)" python-dateutil \
+  hjson py-cpuinfo msgpack einops
+# Only sources on PyPI: built into wheels here (pure Python; deepspeed's ops build on first use).
+python -m pip wheel -q --disable-pip-version-check --no-deps -w "$OUT" "antlr4-python3-runtime==4.9.3"
+python -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$OUT" "deepspeed==$(version deepspeed)"
+total=$(du -cb "$OUT"/*.whl | tail -1 | cut -f1)
+ls -l "$OUT"
+echo "gpu-wheels: $(ls "$OUT"/*.whl | wc -l) wheels, $((total / 1048576)) MiB of 64 MiB, for Python $PY"
+if [ "$total" -gt $((64 * 1048576)) ]; then
+  echo "gpu-wheels: over the 64 MiB that travel with the working tree: leave out what the image has" >&2
+  exit 1
+fi
