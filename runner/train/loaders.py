@@ -103,7 +103,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: i
             generator=loader_generator(t.seed),  # never the global stream dropout draws from (runner/train/rng.py)
             pin_memory=pin,
         )
-    if (data.mixture is not None) if isinstance(data, PreparedData) else bool(data.sources):
+    if (isinstance(data, PreparedData) and data.mixture is not None) or (isinstance(data, StreamedData) and data.sources):
         from runner.components.mixture import keeping_sources
 
         evaluation_batches = keeping_sources(batches)  # each source's loss is reported too

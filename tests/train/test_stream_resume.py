@@ -228,3 +228,5 @@ def test_a_streamed_mixture_killed_at_two_processes_resumes_bit_for_bit(tmp_path
     shares = [json.loads((tmp_path / run / "all_results.json").read_text())["mixture"] for run in ("full", "cut")]
     assert shares[0] == shares[1] and sum(m["trained_blocks"] for m in shares[0]) == 24 * 4
     assert [m["source"] for m in shares[0]] == ["novels", "small"] and shares[0][1]["trained_blocks"] > 9
+    results = json.loads((tmp_path / "cut" / "all_results.json").read_text())
+    assert {"eval_loss/novels", "eval_loss/small"} <= set(results)  # each source's own held-out blocks
