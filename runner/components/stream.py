@@ -237,13 +237,18 @@ class BlockStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self._state) if self._state else {"epoch": self.epoch, "start": None,
-                                                                "sources": list(self.counts)}
+        return copy.deepcopy(self._state) if self._state else self._position(None, 0, 0, 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.counts = list(state.get("sources", self.counts))
         self._resume = state if state.get("start") is not None else None
+
+    def _position(self, start: Optional[dict[str, Any]], window: int, index: int, taken: int) -> dict[str, Any]:
+        """The state after `index` blocks of window `window`, which starts at the library's
+        position `start` (None: no block read yet) after `taken` blocks of this pass."""
+        return {"epoch": self.epoch, "start": start, "window": window, "index": index, "taken": taken,
+                "sources": list(self.counts)}
 
     def _order(self, window: int, n: int) -> list[int]:
         if not self.shuffle:
@@ -275,13 +280,11 @@ class BlockStream(torch.utils.data.IterableDataset):
                 block = blocks[order[k]]
                 if self.counts:
                     self.counts[int(block[SOURCE])] += 1
-                self._state = {"epoch": self.epoch, "start": start, "window": window, "index": k + 1, "taken": taken,
-                               "sources": list(self.counts)}
+                self._state = self._position(start, window, k + 1, taken)
                 yield {"input_ids": torch.tensor(block["input_ids"], dtype=torch.long)}
             # the window is spent: the next one starts after it
             window, index, taken = window + 1, 0, taken + len(blocks)
-            self._state = {"epoch": self.epoch, "start": stream.state_dict(), "window": window, "index": 0, "taken": taken,
-                           "sources": list(self.counts)}
+            self._state = self._position(stream.state_dict(), window, 0, taken)
 
     def _read(self, stream: IterableDataset, rows: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         try:

@@ -18,7 +18,8 @@ from accelerate import Accelerator
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
 from runner.components.data import PreparedData
 from runner.components.model import build_config, build_model
-from runner.components.stream import StreamedData
+from runner.components.stream import StreamedData, blocks_handed_out
+from runner.config.mixture import shares_asked
 from runner.config.spec import RunSpec
 from runner.distributed.accelerator import unwrap
 from runner.distributed.engagement import check_in_sync, rank_fingerprints
@@ -112,9 +113,6 @@ def streamed_mixture_results(spec: RunSpec, accelerator: Accelerator, trainer: T
     on) holds them, summed over the ranks. Every block is block_size tokens, so the shares
     of examples and of tokens are one. A pass's remainder shorter than a step, counted
     though not trained, is the only difference from the steps' own blocks."""
-    from runner.components.stream import blocks_handed_out
-    from runner.config.mixture import shares_asked
-
     mine = blocks_handed_out(trainer.data.train_loader.state_dict()) or [0] * len(data.sources)
     counts = accelerator.gather(torch.tensor([mine], device=accelerator.device)).sum(dim=0).tolist()
     total = max(sum(counts), 1)
