@@ -25,9 +25,10 @@ import shlex
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from runner.config.errors import RunFailed, UserError
 from runner.config.paths import asset_path
@@ -245,6 +246,22 @@ class Benchmarked:
     truncated: int
 
 
+@contextmanager
+def _accelerate_left_as_found() -> Iterator[None]:
+    """lm-eval's HFLM builds an Accelerator, which fills Accelerate's process-wide state
+    (with no mixed precision). The next run in this process (a sweep's next job) would be
+    refused another precision: if the evaluation set that state up, forget it after."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    was_set = bool(AcceleratorState._shared_state or PartialState._shared_state)
+    try:
+        yield
+    finally:
+        if not was_set:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
 def evaluate(spec: RunSpec, run_dir: Path) -> Benchmarked:
     """Run eval.tasks on the run's saved model; add the scores to all_results.json."""
     import lm_eval
@@ -254,7 +271,7 @@ def evaluate(spec: RunSpec, run_dir: Path) -> Benchmarked:
     asked = request(wanted.tasks)
     args, device = model_args(spec, run_dir), device_for(wanted)
     started = time.perf_counter()
-    with _quiet_lm_eval(), _Noise() as noise:
+    with _quiet_lm_eval(), _Noise() as noise, _accelerate_left_as_found():
         model = HFLM(**args, device=device, batch_size=wanted.batch_size)
         out = lm_eval.simple_evaluate(model=model, tasks=asked.names, task_manager=task_manager(asked.include),
                                       num_fewshot=wanted.num_fewshot, limit=wanted.limit,

@@ -155,3 +155,20 @@ def test_a_sharded_two_process_run_is_benchmarked_once_as_one_process_evaluates_
     assert again.returncode == 0, again.stderr[-3000:]
     assert _runner_samples(run_dir) == during
     assert json.loads((run_dir / "all_results.json").read_text())["benchmark/austen_next/acc"] == trained["benchmark/austen_next/acc"]
+
+
+@pytest.mark.e2e
+def test_a_sweep_over_precisions_benchmarks_every_job(tmp_path):
+    """A sweep's jobs run one after another in one process. lm-eval's model builds an
+    Accelerator, which fills Accelerate's process-wide state (no mixed precision); the
+    next job, in bf16, must still be free to choose its precision, and be benchmarked too."""
+    sweep_dir = tmp_path / "sweep"
+    short = [o for o in MICRO if not o.startswith(("train.max_steps", "train.eval_every", "model.config_overrides"))]
+    done = subprocess.run([sys.executable, "-m", "runner", "-m", *short, POSITIONS, "train.max_steps=3",
+                           "train.eval_every=0", "precision=fp32,bf16", "eval.tasks=[austen_next]", "eval.limit=8",
+                           f"hydra.sweep.dir={sweep_dir}"], capture_output=True, text=True, timeout=600)
+    jobs = sorted(p for p in sweep_dir.iterdir() if (p / "job_status.json").is_file())
+    statuses = {p.name: json.loads((p / "job_status.json").read_text())["status"] for p in jobs}
+    assert done.returncode == 0 and list(statuses.values()) == ["ok", "ok"], (statuses, done.stderr[-3000:])
+    for job in jobs:
+        assert "benchmark/austen_next/acc" in json.loads((job / "all_results.json").read_text())
