@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from runner.components.labels import SOURCE
 from runner.config.data_spec import DataFormat, DataSpec
-from runner.config.mixture import row_format, shares_asked, source_names, source_specs
+from runner.config.mixture import evaluation_quota, row_format, shares_asked, source_names, source_specs
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -139,7 +139,7 @@ class Mixed:
 def mix(data: DataSpec, prepare_source: Callable[[DataSpec], Any]) -> Mixed:
     """Each source prepared by `prepare_source` (components.data.prepare of one source),
     made to share the mixture's row layout, tagged and interleaved; then cut by
-    data.max_train_samples and max_eval_samples."""
+    data.max_train_samples (the mixture) and max_eval_samples (shared among the sources)."""
     from datasets import concatenate_datasets
 
     specs, names, asked = source_specs(data), source_names(data), shares_asked(data)
@@ -158,9 +158,10 @@ def mix(data: DataSpec, prepare_source: Callable[[DataSpec], Any]) -> Mixed:
                     trains[0].features)
     trains = [t.cast(features) if t.features != features else t for t in trains]
     validations = [v.cast(features) if v.features != features else v for v in validations]
+    if data.max_eval_samples is not None:
+        quota = evaluation_quota([len(v) for v in validations], data.max_eval_samples)
+        validations = [v.select(range(n)) for v, n in zip(validations, quota)]
     train, validation = interleave(trains, data), concatenate_datasets(validations)
     if data.max_train_samples is not None:
         train = train.select(range(min(data.max_train_samples, len(train))))
-    if data.max_eval_samples is not None:
-        validation = validation.select(range(min(data.max_eval_samples, len(validation))))
     return Mixed(train, validation, mixture_of(train, figures), mixture_key([r.cache_path.name for r in prepared], data))

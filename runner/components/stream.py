@@ -47,7 +47,7 @@ from runner.components.epoch_batches import epoch_order_seed
 from runner.components.data_checks import check_file
 from runner.components.labels import SOURCE
 from runner.config.errors import UserError
-from runner.config.mixture import shares_asked, source_names, source_specs
+from runner.config.mixture import evaluation_quota, shares_asked, source_names, source_specs
 from runner.config.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -399,19 +399,21 @@ def open_mixed_stream(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", bloc
     """A mixture's stream: each source's blocks tagged with its index and sampled into one
     by `datasets.interleave_datasets` (a source of weight 0 is evaluated, never trained);
     every rank reads the mixed stream and keeps every world-th block. The evaluation
-    blocks are each source's, in the sources' order, each with its index."""
+    blocks are each source's, in the sources' order, each with its index; max_eval_samples
+    is shared among the sources (evaluation_quota)."""
     names, shares = source_names(data), shares_asked(data)
     trained, heads, files, described = [], [], [], []
     for index, (name, source) in enumerate(zip(names, source_specs(data))):
         blocks, head, train_source, _ = source_blocks(source, tokenizer, block_size)
-        heads += [{"input_ids": row["input_ids"], SOURCE: index} for row in head]
+        heads.append([{"input_ids": row["input_ids"], SOURCE: index} for row in head])
         described.append(f"{name} ({shares[index]:.0%}): {train_source.describe()}")
         if shares[index] > 0:
             trained.append(blocks.map(lambda batch, i=index: {SOURCE: [i] * len(batch["input_ids"])}, batched=True))
             files += train_source.files
     mixed = interleave_datasets(trained, probabilities=[share for share in shares if share > 0], seed=data.mixture_seed,
                                 stopping_strategy=data.mixture_stopping.value)
-    head = evaluation_head(data, heads, block_size)
+    quota = evaluation_quota([len(h) for h in heads], data.max_eval_samples)
+    head = evaluation_head(data, [row for h, n in zip(heads, quota) for row in h[:n]], block_size)
     limit = None if data.max_train_samples is None else max(1, data.max_train_samples // world_size)
     stream = BlockStream(mixed, files, data.shuffle_buffer, seed, limit=limit,
                          step=(rank, world_size) if world_size > 1 else (0, 1), sources=len(names))

@@ -88,7 +88,8 @@ class DataSpec:
     max_train_samples: Optional[int] = None
     """Keep only the first N training blocks (debugging, quick runs)."""
     max_eval_samples: Optional[int] = None
-    """Keep only the first N evaluation blocks."""
+    """Keep only the first N evaluation blocks. A mixture shares them evenly among its
+    sources, each its first rows, so that every source is evaluated."""
     preprocessing_num_workers: Optional[int] = None
     """Processes for tokenization. null: one. The blocks depend on it (each worker groups
     its own contiguous shard), so it is part of the data cache key, and a resume refuses

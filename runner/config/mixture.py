@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Optional
 
 from runner.config.data_spec import DataFormat, DataSpec, MixtureSource
 
@@ -18,7 +19,8 @@ SINGLE_SOURCE = ("dataset_name", "dataset_config_name", "train_file", "validatio
 def source_specs(data: DataSpec) -> list[DataSpec]:
     """Each source as a DataSpec (the run's, without a mixture, the source's settings on
     top); [data] itself when the run has no mixture. Every source reads its whole split:
-    data.max_train_samples and max_eval_samples cut the mixture, not a source."""
+    data.max_train_samples cuts the mixture, and max_eval_samples is shared out among the
+    sources (evaluation_quota), not applied to each."""
     if not data.mixture:
         return [data]
     base = replace(data, mixture=None, max_train_samples=None, max_eval_samples=None)
@@ -54,3 +56,21 @@ def row_format(data: DataSpec) -> DataFormat:
     if DataFormat.preference in formats:
         return DataFormat.preference
     return DataFormat.prompt_completion  # chat, prompt_completion and text rows share its layout
+
+
+def evaluation_quota(sizes: list[int], cap: Optional[int]) -> list[int]:
+    """How many of each source's validation rows data.max_eval_samples keeps: an even
+    share each (the remainder to the first sources), a source with fewer rows giving
+    what it leaves to the others. A cut taken from the front of the sources in turn
+    would evaluate the first source alone, and report no loss for the others."""
+    if cap is None:
+        return list(sizes)
+    quota, left = [0] * len(sizes), cap
+    open_ = [i for i, size in enumerate(sizes) if size > 0]
+    while left > 0 and open_:
+        share, extra = divmod(left, len(open_))
+        for rank, i in enumerate(open_):
+            quota[i] += min(share + (rank < extra), sizes[i] - quota[i])
+        left = cap - sum(quota)
+        open_ = [i for i in open_ if quota[i] < sizes[i]]
+    return quota

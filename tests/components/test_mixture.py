@@ -6,6 +6,7 @@ in every layout."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,18 @@ def test_two_sources_are_interleaved_whole_in_their_order(tokenizer):
     assert figures["novels"].mixed_tokens == 128 * seen[0]
     assert sum(mixed.mixture.tokens) == sum(f.mixed_tokens for f in figures.values())
     assert len(mixed.validation) == figures["novels"].validation_examples + figures["instructions"].validation_examples
+
+
+def test_max_eval_samples_is_shared_among_the_sources_so_each_is_evaluated(tokenizer):
+    """data.max_eval_samples=9: 5 of the novels' validation rows and 4 of the
+    instructions', each its own first rows; every source keeps a loss of its own."""
+    whole = prepare(two_sources(), tokenizer, 128).validation
+    cut = prepare(replace(two_sources(), max_eval_samples=9), tokenizer, 128).validation
+    sources, everything = column(cut, SOURCE), column(whole, SOURCE)
+    assert sources == [0] * 5 + [1] * 4
+    first_instruction = everything.index(1)
+    kept = list(range(5)) + list(range(first_instruction, first_instruction + 4))
+    assert column(cut, "input_ids") == [column(whole, "input_ids")[i] for i in kept]
 
 
 def test_all_exhausted_repeats_the_smaller_source(tokenizer):

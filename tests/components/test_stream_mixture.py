@@ -79,6 +79,14 @@ def test_a_source_of_weight_0_is_evaluated_and_never_trained(tmp_path, lines, to
     assert [int(v) for v in streamed.validation[SOURCE]].count(1) == 4
 
 
+def test_max_eval_samples_is_shared_among_the_streamed_sources(tmp_path, lines, tokenizer):  # noqa: F811
+    spec = mixture_spec(tmp_path, lines, max_eval_samples=5)
+    whole = open_stream(mixture_spec(tmp_path, lines), tokenizer, BLOCK, SEED).validation
+    cut = open_stream(spec, tokenizer, BLOCK, SEED).validation
+    assert [int(v) for v in cut[SOURCE]] == [0, 0, 0, 1, 1]
+    assert [list(map(int, r)) for r in cut["input_ids"]] == [list(map(int, whole["input_ids"][i])) for i in (0, 1, 2, 4, 5)]
+
+
 # rank 1's blocks 9 and 27 (mixed blocks 18 and 54): in its 3rd window, and past the small source's restart at 44
 @pytest.mark.parametrize("cut", [3, 9])
 def test_rank_1_restored_past_a_window_and_a_sources_end_continues_exactly(tmp_path, lines, tokenizer, cut):  # noqa: F811

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.config.mixture import row_format, shares_asked, source_names, source_specs
+from runner.config.mixture import evaluation_quota, row_format, shares_asked, source_names, source_specs
 from runner.config.spec import DataFormat
 from runner.config.validate import spec_problems
 
@@ -62,3 +62,15 @@ def test_the_connected_mixture_recipe_composes_and_validates_offline(compose_spe
     assert (chat.dataset_name, chat.format, text.dataset_config_name, text.format) == (
         "HuggingFaceH4/no_robots", DataFormat.chat, "wikitext-103-raw-v1", DataFormat.text)
     assert chat.chat_template and chat.block_size == text.block_size == 1024 and chat.packing
+
+
+@pytest.mark.parametrize("sizes, cap, quota", [
+    ([50, 40], None, [50, 40]),  # no cap: every row
+    ([50, 40], 9, [5, 4]),  # an even share, the remainder to the first source
+    ([2, 40, 40], 12, [2, 5, 5]),  # a short source's leftover goes to the others
+    ([0, 3, 100], 10, [0, 3, 7]),
+    ([10, 10], 1, [1, 0]),
+    ([3, 4], 100, [3, 4]),  # a cap above the rows there are
+])
+def test_max_eval_samples_is_shared_evenly_and_never_wasted(sizes, cap, quota):
+    assert evaluation_quota(sizes, cap) == quota

@@ -23,8 +23,11 @@ def test_the_offline_mixture_reports_each_source(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for name, asked in (("novels", "70.0%"), ("instructions", "30.0%")):
         assert f"data: mixture: {name}: " in done.stderr and f"{asked} asked" in done.stderr
-    mixture = json.loads((tmp_path / "run" / "all_results.json").read_text())["mixture"]
+    results = json.loads((tmp_path / "run" / "all_results.json").read_text())
+    mixture = results["mixture"]
     assert [m["source"] for m in mixture] == ["novels", "instructions"]
+    # data.max_eval_samples=8 is shared between the sources: each has a loss of its own
+    assert {"eval_loss/novels", "eval_loss/instructions"} <= results.keys()
     assert [m["share_asked"] for m in mixture] == [0.7, 0.3]
     assert abs(sum(m["trained_examples_share"] for m in mixture) - 1) < 1e-5
     assert all(m["prepared_examples"] > 0 and m["mixture_tokens"] > 0 and m["validation_examples"] > 0 for m in mixture)
