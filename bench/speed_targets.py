@@ -18,6 +18,15 @@ tensors, runner/components/step_trace.py), the plain loss against the chunked on
 
     python bench/speed_targets.py                  # ~20 minutes on 2 CPU cores
     python bench/speed_targets.py --steps 40 --steady-from 10
+
+Issue 50's table instead (`--versus-trainer`): runner as it ships (the recipe's defaults)
+against the Trainer, fp32 and bf16, at 8 x 128 and 8 x 1024 (as 4 x 2 accumulation: 8 x
+1024 does not fit 24 GiB), the Trainer both out of the box and with runner's host memory
+settings, each run in its own subprocess, one after another. 8 x 1024 runs `--long-steps`
+steps, steady after `--long-steady-from`:
+
+    python bench/speed_targets.py --versus-trainer                 # ~40 minutes on 2 CPU cores
+    python bench/speed_targets.py --versus-trainer --blocks 128    # ~12 minutes
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_vs_runner import REPO, TOKENS_PER_STEP, TUNED_ENV, _env, _header, _spawn  # noqa: E402
+from trainer_vs_runner import REPO, TUNED_ENV, _env, _header, _spawn  # noqa: E402
 
 TENSOR_PEAK_HOOK = Path(__file__).resolve().parent / "tensor_peak"
 SMALL = ""  # GPT2Config's defaults: GPT-2 small, 124M parameters
@@ -45,21 +54,31 @@ VARIANTS = {
 }
 
 
-def runner_cmd(run_dir: Path, steps: int, precision: str, extra: list[str]) -> list[str]:
+def split_batch(block: int) -> tuple[int, int]:
+    """Batch 8 as (per device, accumulation): 4 x 2 above 256 tokens, where 8 x 1024 does
+    not fit this machine's 24 GiB (runner's plan refuses it: 24.3 GiB)."""
+    return (8, 1) if block <= 256 else (4, 2)
+
+
+def runner_cmd(run_dir: Path, steps: int, precision: str, extra: list[str], block: int = 128) -> list[str]:
+    per_device, accumulation = split_batch(block)
     return [sys.executable, "-m", "runner", "recipe=gpt2_clm_tiny", "model.config_overrides=null",
-            "data.block_size=128", "train.per_device_batch_size=8", f"train.max_steps={steps}", "train.eval_every=0",
+            f"data.block_size={block}", f"train.per_device_batch_size={per_device}",
+            f"train.grad_accum_steps={accumulation}", f"train.max_steps={steps}", "train.eval_every=0",
             "train.log_every=2", "data.max_eval_samples=8", "tracking=none", f"precision={precision}",
             f"hydra.run.dir={run_dir}", *extra]
 
 
-def run_runner(work: Path, tag: str, steps: int, steady_from: int, precision: str, extra: list[str]) -> dict[str, Any]:
+def run_runner(work: Path, tag: str, steps: int, steady_from: int, precision: str, extra: list[str],
+               block: int = 128) -> dict[str, Any]:
     run_dir = work / tag.replace(" ", "_")
-    _spawn(runner_cmd(run_dir, steps, precision, extra), _env(tuned=False), work / f"{run_dir.name}.log")
+    _spawn(runner_cmd(run_dir, steps, precision, extra, block), _env(tuned=False), work / f"{run_dir.name}.log")
     windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line]
     steady = [w for w in windows if w["step"] > steady_from]
-    seconds = sum(2 * TOKENS_PER_STEP / w["tokens_per_s"] for w in steady)  # log_every=2
+    tokens = 8 * block
+    seconds = sum(2 * tokens / w["tokens_per_s"] for w in steady)  # log_every=2
     results = json.loads((run_dir / "all_results.json").read_text())
-    return {"tokens_per_s": 2 * TOKENS_PER_STEP * len(steady) / seconds,
+    return {"tokens_per_s": 2 * tokens * len(steady) / seconds,
             "mfu": sum(w["mfu"] for w in steady) / len(steady),
             "compile_seconds": results.get("compile_seconds"), "recompilations": results.get("recompilations")}
 
@@ -79,14 +98,46 @@ def spawn_for_tensor_peak(cmd: list[str], out: Path, log: Path, tuned: bool = Fa
     return json.loads((out / "rank0.json").read_text())["peak_mb"]
 
 
-def run_trainer(work: Path, tag: str, steps: int, steady_from: int, bf16: bool) -> float:
+def run_trainer(work: Path, tag: str, steps: int, steady_from: int, bf16: bool, block: int = 128,
+                tuned: bool = True) -> float:
+    """The Trainer's steady tokens/s; `tuned`: with runner's host memory settings."""
     out = work / f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-worker", "--steps", str(steps), "--out", str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-worker", "--steps", str(steps), "--out", str(out),
+           "--block", str(block)]
     if bf16:
         cmd.append("--bf16")
-    _spawn(cmd, _env(tuned=True), work / f"{tag}.log")
+    _spawn(cmd, _env(tuned=tuned), work / f"{tag}.log")
     stamps = json.loads(out.read_text())["step_end_times"]
-    return (len(stamps) - steady_from) * TOKENS_PER_STEP / (stamps[-1] - stamps[steady_from - 1])
+    return (len(stamps) - steady_from) * 8 * block / (stamps[-1] - stamps[steady_from - 1])
+
+
+def versus_trainer(args: argparse.Namespace, work: Path) -> None:
+    """Issue 50's part 4: runner's steady tokens/s against the Trainer's, fp32 and bf16, at
+    each block size; the Trainer out of the box and with runner's host memory settings."""
+    print(f"GPT-2 small (124M) from config, batch 8, one process, {os.cpu_count()} CPUs; runner as it ships "
+          f"(recipe=gpt2_clm_tiny's settings); Trainer = run_clm's workflow (bench/trainer_vs_runner.py)", flush=True)
+    rows = []
+    for block in args.blocks:
+        steps, steady_from = (args.steps, args.steady_from) if block <= 256 else (args.long_steps, args.long_steady_from)
+        for precision in ("fp32", "bf16"):
+            tag = f"{precision}_{block}"
+            print(f"8 x {block} ({' x '.join(map(str, split_batch(block)))}), {precision}: runner, Trainer, Trainer with runner's host settings "
+                  f"({steps} steps, steady after {steady_from}) ...", flush=True)
+            ours = run_runner(work, f"runner_{tag}", steps, steady_from, precision, [], block)["tokens_per_s"]
+            plain = run_trainer(work, f"trainer_{tag}", steps, steady_from, precision == "bf16", block, tuned=False)
+            tuned = run_trainer(work, f"trainer_tuned_{tag}", steps, steady_from, precision == "bf16", block, tuned=True)
+            rows.append((block, precision, ours, plain, tuned))
+            print(f"  runner {ours:,.1f}  Trainer {plain:,.1f}  Trainer tuned {tuned:,.1f} tokens/s", flush=True)
+    print()
+    print(f"{'shape':<9} | {'precision':<9} | {'runner tok/s':>12} | {'Trainer tok/s':>13} | {'x':>5} | "
+          f"{'Trainer, runner host settings':>29} | {'x':>5}")
+    print(f"{'-' * 9}-|-{'-' * 9}-|-{'-' * 12}-|-{'-' * 13}-|-{'-' * 5}-|-{'-' * 29}-|-{'-' * 5}")
+    for block, precision, ours, plain, tuned in rows:
+        print(f"{'8 x ' + str(block):<9} | {precision:<9} | {ours:>12,.1f} | {plain:>13,.1f} | {ours / plain:>5.2f} | "
+              f"{tuned:>29,.1f} | {ours / tuned:>5.2f}")
+    print(f"(runner's host memory settings: {' '.join(f'{k}={v}' for k, v in TUNED_ENV.items())})")
+    behind = [f"8 x {b} {p}" for b, p, ours, plain, tuned in rows if ours < min(plain, tuned)]
+    print(f"target: runner >= the Trainer in fp32 and bf16, both ways: {'met' if not behind else 'NOT met: ' + ', '.join(behind)}")
 
 
 def plan_peaks(block: int) -> dict[str, float]:
@@ -156,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps a measured run (default 30)")
     parser.add_argument("--steady-from", type=int, default=10, help="steady state starts after this step (default 10)")
     parser.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument("--versus-trainer", action="store_true", help="issue 50's table only: runner vs the Trainer")
+    parser.add_argument("--blocks", type=lambda text: [int(b) for b in text.split(",")], default=[128, 1024],
+                        help="block sizes for --versus-trainer (default 128,1024)")
+    parser.add_argument("--long-steps", type=int, default=8, help="steps a run at a block above 256 (default 8)")
+    parser.add_argument("--long-steady-from", type=int, default=4, help="steady after this step above 256 (default 4)")
+    parser.add_argument("--block", type=int, default=128, help=argparse.SUPPRESS)
     parser.add_argument("--trainer-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -163,14 +220,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.trainer_worker:
         from trainer_vs_runner import worker_trainer
 
-        worker_trainer(args.steps, args.out, SMALL, args.bf16)
+        per_device, accumulation = split_batch(args.block)
+        worker_trainer(args.steps, args.out, SMALL, args.bf16, block=args.block, batch=per_device, accumulation=accumulation)
         return
+    chosen = versus_trainer if args.versus_trainer else compare
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        compare(args, args.keep)
+        chosen(args, args.keep)
         return
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
-        compare(args, Path(tmp))
+        chosen(args, Path(tmp))
 
 
 if __name__ == "__main__":

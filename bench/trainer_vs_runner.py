@@ -78,11 +78,11 @@ def _build_model(vocab_size: int, config_overrides: str = CONFIG_OVERRIDES) -> A
 
 
 def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRIDES, bf16: bool = False,
-                   block: int = BLOCK, batch: int = BATCH, use_cpu: bool = True) -> None:
+                   block: int = BLOCK, batch: int = BATCH, use_cpu: bool = True, accumulation: int = 1) -> None:
     """run_clm.py's path, condensed: load_dataset('text'), 5% validation split,
     tokenize, group_texts, Trainer with default_data_collator. `config_overrides`: run_clm's
     --config_overrides ("" for GPT-2 small, 124M); `bf16`: its --bf16; `use_cpu=False`: the
-    GPU the Trainer finds (bench/gpu_check.py)."""
+    GPU the Trainer finds (bench/gpu_check.py); `accumulation`: its --gradient_accumulation_steps."""
     from itertools import chain
 
     from datasets import DatasetDict, load_dataset
@@ -130,6 +130,7 @@ def worker_trainer(steps: int, out: Path, config_overrides: str = CONFIG_OVERRID
         args = TrainingArguments(
             output_dir=output_dir,
             per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
             max_steps=steps,
             learning_rate=LR,
             weight_decay=WEIGHT_DECAY,
