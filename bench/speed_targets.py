@@ -136,7 +136,7 @@ def versus_trainer(args: argparse.Namespace, work: Path) -> None:
         print(f"{'8 x ' + str(block):<9} | {precision:<9} | {ours:>12,.1f} | {plain:>13,.1f} | {ours / plain:>5.2f} | "
               f"{tuned:>29,.1f} | {ours / tuned:>5.2f}")
     print(f"(runner's host memory settings: {' '.join(f'{k}={v}' for k, v in TUNED_ENV.items())})")
-    behind = [f"8 x {b} {p}" for b, p, ours, plain, tuned in rows if ours < min(plain, tuned)]
+    behind = [f"8 x {b} {p}" for b, p, ours, plain, tuned in rows if ours < max(plain, tuned)]
     print(f"target: runner >= the Trainer in fp32 and bf16, both ways: {'met' if not behind else 'NOT met: ' + ', '.join(behind)}")
 
 
