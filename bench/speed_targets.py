@@ -27,6 +27,7 @@ steps, steady after `--long-steady-from`:
 
     python bench/speed_targets.py --versus-trainer                 # ~40 minutes on 2 CPU cores
     python bench/speed_targets.py --versus-trainer --blocks 128    # ~12 minutes
+    python bench/speed_targets.py --versus-trainer --blocks 128 --repeats 3   # medians of 3 interleaved rounds
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -120,14 +122,20 @@ def versus_trainer(args: argparse.Namespace, work: Path) -> None:
     for block in args.blocks:
         steps, steady_from = (args.steps, args.steady_from) if block <= 256 else (args.long_steps, args.long_steady_from)
         for precision in ("fp32", "bf16"):
-            tag = f"{precision}_{block}"
             print(f"8 x {block} ({' x '.join(map(str, split_batch(block)))}), {precision}: runner, Trainer, Trainer with runner's host settings "
-                  f"({steps} steps, steady after {steady_from}) ...", flush=True)
-            ours = run_runner(work, f"runner_{tag}", steps, steady_from, precision, [], block)["tokens_per_s"]
-            plain = run_trainer(work, f"trainer_{tag}", steps, steady_from, precision == "bf16", block, tuned=False)
-            tuned = run_trainer(work, f"trainer_tuned_{tag}", steps, steady_from, precision == "bf16", block, tuned=True)
+                  f"({steps} steps, steady after {steady_from}; {args.repeats} round(s), interleaved) ...", flush=True)
+            figures: dict[str, list[float]] = {"runner": [], "plain": [], "tuned": []}
+            for round_ in range(args.repeats):
+                tag = f"{precision}_{block}" + (f"_{round_}" if args.repeats > 1 else "")
+                figures["runner"].append(run_runner(work, f"runner_{tag}", steps, steady_from, precision, [], block)["tokens_per_s"])
+                figures["plain"].append(run_trainer(work, f"trainer_{tag}", steps, steady_from, precision == "bf16", block, tuned=False))
+                figures["tuned"].append(run_trainer(work, f"trainer_tuned_{tag}", steps, steady_from, precision == "bf16", block, tuned=True))
+                print(f"  runner {figures['runner'][-1]:,.1f}  Trainer {figures['plain'][-1]:,.1f}  "
+                      f"Trainer tuned {figures['tuned'][-1]:,.1f} tokens/s", flush=True)
+            ours, plain, tuned = (statistics.median(figures[k]) for k in ("runner", "plain", "tuned"))
             rows.append((block, precision, ours, plain, tuned))
-            print(f"  runner {ours:,.1f}  Trainer {plain:,.1f}  Trainer tuned {tuned:,.1f} tokens/s", flush=True)
+    if args.repeats > 1:
+        print(f"\n(medians of {args.repeats} interleaved rounds)")
     print()
     print(f"{'shape':<9} | {'precision':<9} | {'runner tok/s':>12} | {'Trainer tok/s':>13} | {'x':>5} | "
           f"{'Trainer, runner host settings':>29} | {'x':>5}")
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus-trainer", action="store_true", help="issue 50's table only: runner vs the Trainer")
     parser.add_argument("--blocks", type=lambda text: [int(b) for b in text.split(",")], default=[128, 1024],
                         help="block sizes for --versus-trainer (default 128,1024)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--versus-trainer: rounds of the three runs, interleaved; the table shows medians (default 1)")
     parser.add_argument("--long-steps", type=int, default=8, help="steps a run at a block above 256 (default 8)")
     parser.add_argument("--long-steady-from", type=int, default=4, help="steady after this step above 256 (default 4)")
     parser.add_argument("--block", type=int, default=128, help=argparse.SUPPRESS)

@@ -37,16 +37,23 @@ from runner.components import liger_loss
 from runner.components.labels import IGNORE_INDEX
 from runner.components.liger_loss import HeadLoss
 
-# Bytes of fp32 logits one chunk may hold (its log-softmax and gradient add two more):
-# 64 MiB is 333 tokens of GPT-2's 50,257-word vocabulary. Large enough that the chunks'
-# matmuls keep their speed (GPT-2 124M's head over 1,024 tokens: 333-token chunks as fast
-# as one chunk; 128-token chunks measurably slower, each adding into the vocabulary x width
-# gradient), small against any model's states.
+# Tokens a chunk holds: at least MIN_CHUNK_TOKENS, more where their fp32 logits stay
+# within CHUNK_LOGIT_BYTES (a small vocabulary). Every chunk reads the head's weight twice
+# and reads and writes the fp32 weight-gradient buffer: traffic of vocabulary x width,
+# whatever the chunk's tokens, against matmuls that grow with them. So the share a chunk
+# adds depends on its tokens alone, not on the vocabulary. GPT-2 124M's head and loss,
+# forward and backward, fp32 on 2 CPU cores (bench/head_chunks.py), per 1,024 tokens:
+# whole logits 1,436 ms, chunks of 333 tokens 1,617 (64 MiB of logits, the budget
+# before), 512 1,469, 1,024 1,418; per 4,096 tokens: whole 9.6 s, 333 7.3 s, 1,024 6.0 s,
+# 2,048 5.7 s (bf16: 5.2, 3.3, 3.0, 3.4 s). A chunk of 1,024 GPT-2 tokens holds 206 MB
+# of fp32 logits (and the log-softmax and gradient as much each), against 1.6 GB each
+# for run_clm's whole 8 x 1024 batch.
+MIN_CHUNK_TOKENS = 1024
 CHUNK_LOGIT_BYTES = 64 << 20
 
 
 def chunk_tokens(vocab_size: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
-    return max(1, budget // (4 * max(vocab_size, 1)))
+    return max(MIN_CHUNK_TOKENS, budget // (4 * max(vocab_size, 1)))
 
 
 class ChunkedHeadLoss(torch.autograd.Function):

@@ -22,7 +22,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.components.chunked_loss import CHUNK_LOGIT_BYTES, HeadGradients, check_positions, shifted_labels
+from runner.components.chunked_loss import (
+    CHUNK_LOGIT_BYTES,
+    MIN_CHUNK_TOKENS,
+    HeadGradients,
+    check_positions,
+    shifted_labels,
+)
 from runner.components.labels import IGNORE_INDEX, token_losses
 from runner.components.preference_batch import SEQUENCE_IDS, pairs_in
 
@@ -32,8 +38,10 @@ PairLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, sli
 
 
 def pairs_per_chunk(vocab_size: int, tokens: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
-    """Pairs whose fp32 logits (two sequences each) fit the budget; at least one."""
-    return max(1, budget // (4 * max(vocab_size, 1) * 2 * max(tokens, 1)))
+    """Pairs whose fp32 logits (two sequences each) fit the budget, or as many as hold
+    MIN_CHUNK_TOKENS tokens when that is more (chunked_loss.py says why); at least one."""
+    sequence = 2 * max(tokens, 1)
+    return max(1, budget // (4 * max(vocab_size, 1) * sequence), MIN_CHUNK_TOKENS // sequence)
 
 
 class ChunkedPairLoss(torch.autograd.Function):

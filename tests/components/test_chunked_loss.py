@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from runner.certify.architectures import TINY
-from runner.components.chunked_loss import ChunkedHeadLoss, chunked_token_losses, install, why_not
+from runner.components.chunked_loss import (
+    MIN_CHUNK_TOKENS,
+    ChunkedHeadLoss,
+    chunk_tokens,
+    chunked_token_losses,
+    install,
+    why_not,
+)
 from runner.components.model import build_config
 from runner.components.step_trace import Numerics, trace_step
 from runner.config.spec import ModelSpec
@@ -195,6 +202,17 @@ def test_a_head_with_adapters_keeps_the_plain_loss():
     assert why_not(plain) is None  # adapters elsewhere: the head is the base's own Linear
 
 
+def test_a_chunk_holds_at_least_1024_tokens_whatever_the_vocabulary():
+    """Each chunk's fixed cost is traffic over vocabulary x width (the weight, the fp32
+    weight gradient), its matmuls grow with its tokens: a chunk too short costs more
+    than it saves, at any vocabulary (bench/head_chunks.py: GPT-2's head over 1,024
+    tokens, 333-token chunks 1.13x the whole logits' time, one chunk 0.99x)."""
+    assert MIN_CHUNK_TOKENS == 1024
+    assert chunk_tokens(VOCAB) == 1024  # GPT-2: 206 MB of fp32 logits (64 MiB alone: 333 tokens)
+    assert chunk_tokens(151_936) == 1024  # Qwen2's vocabulary (64 MiB alone: 110 tokens)
+    assert chunk_tokens(8_000) == (64 << 20) // (4 * 8_000)  # a small vocabulary: the logit budget's, larger
+
+
 def test_traced_peak_no_longer_grows_with_tokens_times_vocabulary():
     """The memory plan traces the loss the run computes: doubling the tokens adds
     3 x tokens x vocabulary x 4 bytes (logits, log-softmax, gradient) to the plain loss's
@@ -202,10 +220,10 @@ def test_traced_peak_no_longer_grows_with_tokens_times_vocabulary():
     config = build_config(ModelSpec(config_overrides="n_embd=64,n_layer=2,n_head=4,n_positions=1024"))
     peaks = {}
     for chunked in (False, True):
-        for block in (256, 512):
-            trace = trace_step(ModelSpec(chunked_loss=chunked), config, 8, block, "fp32", Numerics.fp32)
+        for block in (256, 512):  # 8,192 and 16,384 tokens: 8 and 16 chunks
+            trace = trace_step(ModelSpec(chunked_loss=chunked), config, 32, block, "fp32", Numerics.fp32)
             peaks[chunked, block] = trace.activation_peak
-    added_logits = 3 * 8 * 256 * VOCAB * 4
+    added_logits = 3 * 32 * 256 * VOCAB * 4
     plain_growth = peaks[False, 512] - peaks[False, 256]
     chunked_growth = peaks[True, 512] - peaks[True, 256]
     assert plain_growth >= 0.9 * added_logits

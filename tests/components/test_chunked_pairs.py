@@ -129,5 +129,8 @@ def test_a_head_with_a_bias_gets_its_gradients_and_no_grad_scores_only():
 
 def test_pairs_per_chunk_follows_the_logit_budget():
     assert pairs_per_chunk(50257, 1024) == 1  # a pair of GPT-2's 1,024-token sequences is 411 MB of logits
-    assert pairs_per_chunk(50257, 32) == 5  # the certify matrix's 32-token pairs: 12.9 MB each
+    # the certify matrix's 32-token pairs: 12.9 MB each; the budget alone would chunk 5,
+    # the chunk's least tokens (MIN_CHUNK_TOKENS) hold 16
+    assert pairs_per_chunk(50257, 32) == 16
+    assert pairs_per_chunk(50257, 600) == 1  # two sequences of 600 tokens are over both
     assert pairs_per_chunk(100, 8) > 1000

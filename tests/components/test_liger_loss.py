@@ -106,7 +106,7 @@ def test_liger_is_used_only_where_it_can_run(monkeypatch):
     assert liger_loss.liger_head_loss() == (None, f"liger-kernel {liger_loss.installed_version('liger-kernel')} installed, but no GPU")
     model = tiny("gpt2")
     chunked, _ = install(model, gpu_kernel=True)
-    assert chunked.state.fused is None and chunked.kernel == "runner's chunks of 333 tokens"
+    assert chunked.state.fused is None and chunked.kernel == "runner's chunks of 1,024 tokens"
     chunked.remove()
     monkeypatch.setattr(liger_loss, "gpu_present", lambda: True)
     chunked, _ = install(model)  # the memory plan's trace: runner's chunks even on a GPU with Liger

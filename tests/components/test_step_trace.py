@@ -98,29 +98,31 @@ def test_a_preference_micro_batch_is_traced_as_its_two_sequences_a_pair(chunked)
     """4 pairs are 8 sequences: with a small vocabulary, where the layers' activations
     dominate, about those of 8 text blocks (measured 14.9 against 13.9 MiB plain, 15.2
     against 15.2 chunked). With GPT-2's vocabulary the chunked pair head (a chunk of pairs
-    at a time) holds far less than the pairs' whole logits (measured 217 against 399 MiB)."""
+    at a time: 8 pairs of 256 tokens are 4 chunks of 1,024 tokens) holds far less than
+    the pairs' whole logits."""
     small = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=512)
 
-    def peak(config, is_chunked: bool, micro_batch: int, pairs: bool = False) -> int:
-        return trace_step(ModelSpec(chunked_loss=is_chunked), config, micro_batch, 64, "fp32", Numerics.fp32,
+    def peak(config, is_chunked: bool, micro_batch: int, pairs: bool = False, block: int = 64) -> int:
+        return trace_step(ModelSpec(chunked_loss=is_chunked), config, micro_batch, block, "fp32", Numerics.fp32,
                           pairs=pairs).activation_peak
 
     pairs, blocks = peak(small, chunked, 4, pairs=True), peak(small, chunked, 8)
     assert 0.9 * blocks < pairs < 1.15 * blocks, (pairs, blocks)
     if chunked:
-        assert peak(GPT2, True, 4, pairs=True) < 0.75 * peak(GPT2, False, 4, pairs=True)
+        assert peak(GPT2, True, 8, pairs=True, block=256) < 0.75 * peak(GPT2, False, 8, pairs=True, block=256)
 
 
 def test_a_preference_evaluation_is_traced_on_its_pairs_logits_unless_chunked():
-    """A preference evaluation of 4 pairs scores 8 sequences: from their whole logits
-    (2 x 8 x 64 x 50,257 x 4 bytes with logsumexp's temporary), as a text evaluation of 8
-    blocks holds them; through the chunked pair head a chunk of pairs at a time."""
+    """A preference evaluation of 8 pairs scores 16 sequences: from their whole logits
+    (2 x 16 x 256 x 50,257 x 4 bytes with logsumexp's temporary), as a text evaluation of
+    16 blocks holds them; through the chunked pair head a chunk of pairs at a time (here
+    2 pairs, 1,024 tokens)."""
     def peak(chunked: bool, batch: int, pairs: bool) -> int:
-        return trace_evaluation(ModelSpec(chunked_loss=chunked), GPT2, batch, 64, "fp32", Numerics.fp32,
+        return trace_evaluation(ModelSpec(chunked_loss=chunked), GPT2, batch, 256, "fp32", Numerics.fp32,
                                 pairs=pairs).peak
 
-    logits = 8 * 64 * 50257 * 4
-    plain_pairs, plain_blocks = peak(False, 4, True), peak(False, 8, False)
+    logits = 16 * 256 * 50257 * 4
+    plain_pairs, plain_blocks = peak(False, 8, True), peak(False, 16, False)
     assert 1.95 * logits <= plain_pairs < 2.2 * logits  # the temporary: all tokens but the last
     assert 0.95 * plain_blocks < plain_pairs <= plain_blocks  # the blocks' scores also hold an argmax
-    assert peak(True, 4, True) < 0.6 * plain_pairs
+    assert peak(True, 8, True) < 0.6 * plain_pairs

@@ -62,7 +62,7 @@ def test_the_banner_names_the_loss_kernel_and_how_to_get_liger(compose_spec, mon
     if machine == "gpu without liger":
         monkeypatch.setattr(liger_loss, "installed_version", lambda library: None)
     built = worker.build_seeded_model(compose_spec("recipe=gpt2_clm_tiny"))
-    kernel = {"cpu": "runner's chunks of 333 tokens", "gpu without liger": "runner's chunks of 333 tokens",
+    kernel = {"cpu": "runner's chunks of 1,024 tokens", "gpu without liger": "runner's chunks of 1,024 tokens",
               "gpu with liger": "Liger's fused linear cross-entropy (liger-kernel "}[machine]
     assert built.loss_note.startswith(f"output head and loss by {kernel}")
     assert ('pip install "runner[liger]"' in built.loss_note) is (machine == "gpu without liger")
