@@ -404,15 +404,16 @@ def test_auto_keeps_a_given_evaluation_batch_and_refuses_when_only_it_does_not_f
 def test_with_the_chunked_head_evaluating_the_plan_is_unchanged(compose_spec, strategy):
     """The default (model.chunked_loss=true), evaluating at the micro-batch: the plan's
     peak is the training step's, as before evaluation was planned. Its evaluation is not
-    traced there, and traced it holds less than the step (a chunk's logits)."""
+    traced there, and traced it holds less than the step (a chunk's logits: 1,024 of the
+    micro-batch's 4,096 tokens)."""
     from runner.launch.memory_estimate import with_evaluation
 
-    planner = fit.Planner(compose_spec(*EVALUATING, "train.per_device_batch_size=4"), 256, 2)
+    planner = fit.Planner(compose_spec(*EVALUATING, "train.per_device_batch_size=16"), 256, 2)
     estimate = planner.estimate(strategy)
     how = fit.numerics(strategy, "fp32")
-    before = with_activations(fit.estimate_for(planner.shape, strategy, "fp32", 2), planner.trace(4, how), strategy, 2)
+    before = with_activations(fit.estimate_for(planner.shape, strategy, "fp32", 2), planner.trace(16, how), strategy, 2)
     assert estimate.device_total == before.device_total and estimate.decided_by == "training step"
     assert estimate.evaluation is None  # not traced
-    traced = planner.evaluation(4, how)
-    assert traced.chunked and traced.peak < 4 * 256 * 50257 * 4  # less than the whole logits once: a chunk's, twice
+    traced = planner.evaluation(16, how)
+    assert traced.chunked and traced.peak < 16 * 256 * 50257 * 4  # less than the whole logits once: a chunk's, twice
     assert with_evaluation(before, traced.peak, strategy).evaluation_total < before.training_total
