@@ -103,9 +103,13 @@ class HeadGradients:
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  wants: tuple[bool, ...]) -> None:
         self.hidden = torch.zeros_like(hidden) if wants[0] else None
-        self.weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        # The weight's buffer is the first chunk's product (fp32), not zeros added into:
+        # with one chunk (a micro-batch of up to MIN_CHUNK_TOKENS) no vocabulary x width
+        # buffer is zeroed, read and written again beside what the plain head computes.
+        self.wants_weight = wants[1]
+        self.weight: Optional[torch.Tensor] = None
         self.bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and wants[2] else None
-        self.wanted = self.hidden is not None or self.weight is not None or self.bias is not None
+        self.wanted = self.hidden is not None or self.wants_weight or self.bias is not None
         self._cast: Optional[torch.Tensor] = None
 
     def add(self, rows: Any, g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> None:
@@ -118,14 +122,28 @@ class HeadGradients:
         product does."""
         flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
         if self.hidden is not None:
-            self.hidden[rows] = g @ self._weight_in(g.dtype, weight)
-        if self.weight is not None:
-            if flat_g.dtype == self.weight.dtype:
-                self.weight.addmm_(flat_g.t(), flat_h.to(flat_g.dtype))
+            self.hidden[rows] = self._times_weight(g, weight)
+        if self.wants_weight:
+            inputs = flat_h.to(flat_g.dtype)
+            if self.weight is None:  # the first chunk: its product is the buffer
+                self.weight = (flat_g.t() @ inputs).to(torch.float32)
+            elif flat_g.dtype == self.weight.dtype:
+                self.weight.addmm_(flat_g.t(), inputs)
             else:
-                self.weight.add_(flat_g.t() @ flat_h.to(flat_g.dtype))
+                self.weight.add_(flat_g.t() @ inputs)
         if self.bias is not None:
             self.bias += flat_g.sum(0, dtype=torch.float32)
+
+    def _times_weight(self, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """g @ weight in g's dtype. Under autocast in that dtype, autocast's own cast of the
+        weight, which the chunk's F.linear made and autocast keeps (the plain head's
+        backward reuses it too): not a second copy of the weight (GPT-2: 77 MB in bf16)."""
+        if weight.dtype == g.dtype:
+            return g @ weight
+        device = g.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == g.dtype:
+            return torch.matmul(g, weight)
+        return g @ self._weight_in(g.dtype, weight)
 
     def _weight_in(self, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
         """The weight in the logits' dtype, cast once for all chunks (not once a chunk)."""
@@ -136,9 +154,13 @@ class HeadGradients:
     def save(self, ctx: Any, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         ctx.save_for_backward(
             self.hidden if self.hidden is not None else torch.empty(0),
-            self.weight.to(weight.dtype) if self.weight is not None else torch.empty(0),
+            self._weight_gradient(weight).to(weight.dtype) if self.wants_weight else torch.empty(0),
             self.bias.to(bias.dtype) if self.bias is not None and bias is not None else torch.empty(0),
         )
+
+    def _weight_gradient(self, weight: torch.Tensor) -> torch.Tensor:
+        """The summed weight gradient (fp32); zeros when no chunk ran (no tokens)."""
+        return self.weight if self.weight is not None else torch.zeros_like(weight, dtype=torch.float32)
 
     @staticmethod
     def scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
