@@ -5,7 +5,7 @@ The plain loss holds (tokens x vocabulary) logits, their log-softmax and, in bac
 their gradient: 3 x 8 x 1024 x 50,257 x 4 bytes ~ 5 GB for GPT-2 at run_clm's batch.
 Here each chunk's logits live only while that chunk's loss and gradients are computed
 (in forward, by autograd itself, so the numerics are the plain loss's: autocast's casts,
-the fp32 cross-entropy); backward only scales the gradients kept. No matmul is redone.
+the fp32 cross-entropy); backward only scales the gradients kept, in place. No matmul is redone.
 
 How it reaches every model and strategy without patching a model class: the output
 head (a plain nn.Linear, found by get_output_embeddings) gets a forward that, when the
@@ -164,11 +164,23 @@ class HeadGradients:
 
     @staticmethod
     def scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        """backward's gradients of (hidden, weight, bias): the saved ones times the loss's."""
+        """backward's gradients of (hidden, weight, bias): the saved ones times the loss's,
+        scaled in place. A product would allocate a vocabulary x width gradient and pass
+        over it once more than the plain head's backward does (GPT-2: 154 MB, a step's
+        only such pass beyond the Trainer's); in place, what autograd receives is the
+        saved buffer itself, which it keeps as the parameter's gradient (an untied head) or
+        sums with the tied embedding's, as it does the plain head's product. So one forward has one
+        backward: a second through a retained graph is refused (the saved gradients are
+        scaled already), and so is a differentiable one (create_graph)."""
+        if getattr(ctx, "scaled_already", False) or torch.is_grad_enabled():
+            raise RuntimeError("chunked loss: its gradients are computed once a forward, so a second backward through "
+                               "a retained graph, or a differentiable one (create_graph), cannot reuse them; set "
+                               "model.chunked_loss=false")
+        ctx.scaled_already = True
         wants = ctx.needs_input_grad
 
         def scaled(g: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
-            return g * grad_total.to(g.dtype) if wanted and g.numel() else None
+            return g.mul_(grad_total.to(g.dtype)) if wanted and g.numel() else None
 
         return tuple(scaled(g, wanted) for g, wanted in zip(ctx.saved_tensors, wants[:3]))
 

@@ -258,6 +258,63 @@ def test_the_chunked_loss_reads_nothing_on_the_host():
     assert reads.seen == []
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_backward_allocates_no_weight_sized_gradient_beyond_the_plain_heads(tied):
+    """Backward hands autograd the saved weight gradient, scaled in place: no product of
+    the head's size (GPT-2's 154 MB), and no copy of it when autograd keeps it as the
+    parameter's gradient. With a tied embedding autograd sums the two as it sums the
+    plain head's product with the embedding's. Llama, both ways, under accumulation's scaling (1/97)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightSized(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.made = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if isinstance(out, torch.Tensor) and out.numel() == self.numel and not name.endswith("_"):
+                self.made.append(name)
+            return out
+
+    def backward_makes(model, loss_of):
+        loss = loss_of(model)
+        weight = model.get_output_embeddings().weight
+        with WeightSized(weight.numel()) as seen:
+            loss.backward()
+        return seen.made, weight.grad
+
+    ids, labels = batch(True)
+    items = torch.tensor(97)
+    plain = tiny("llama", f",tie_word_embeddings={tied}")
+    chunked_model = copy.deepcopy(plain)
+    chunked, _ = install(chunked_model)
+
+    def chunked_loss(model):
+        with chunked.labels(labels):
+            return model(input_ids=ids, labels=labels, num_items_in_batch=items, use_cache=False).loss
+
+    plain_made, want = backward_makes(plain, lambda m: m(input_ids=ids, labels=labels, num_items_in_batch=items,
+                                                          use_cache=False).loss)
+    made, got = backward_makes(chunked_model, chunked_loss)
+    assert made == [name for name in plain_made if name not in ("mm", "t")]  # the plain head's product is forward's here
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_a_second_backward_through_a_retained_graph_is_refused():
+    """The gradients are computed once a forward and scaled in place by its backward: a
+    second backward would scale them again, so it is refused, naming the fix."""
+    model = tiny("gpt2").train()
+    chunked, _ = install(model)
+    ids, labels = batch(False)
+    with chunked.labels(labels):
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward.*model.chunked_loss=false"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "qwen3"])
 def test_evaluation_scores_equal_the_plain_logits(model_type):
     """Evaluation through the chunked head gives each token's loss, the trained mask and
