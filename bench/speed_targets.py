@@ -100,15 +100,19 @@ def spawn_for_tensor_peak(cmd: list[str], out: Path, log: Path, tuned: bool = Fa
     return json.loads((out / "rank0.json").read_text())["peak_mb"]
 
 
+def trainer_cmd(steps: int, out: Path, bf16: bool, block: int = 128) -> list[str]:
+    """This script's Trainer worker: run_clm's workflow at batch 8 x `block`, its step
+    end times written to `out`."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-worker", "--steps", str(steps), "--out", str(out),
+           "--block", str(block)]
+    return [*cmd, "--bf16"] if bf16 else cmd
+
+
 def run_trainer(work: Path, tag: str, steps: int, steady_from: int, bf16: bool, block: int = 128,
                 tuned: bool = True) -> float:
     """The Trainer's steady tokens/s; `tuned`: with runner's host memory settings."""
     out = work / f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-worker", "--steps", str(steps), "--out", str(out),
-           "--block", str(block)]
-    if bf16:
-        cmd.append("--bf16")
-    _spawn(cmd, _env(tuned=tuned), work / f"{tag}.log")
+    _spawn(trainer_cmd(steps, out, bf16, block), _env(tuned=tuned), work / f"{tag}.log")
     stamps = json.loads(out.read_text())["step_end_times"]
     return (len(stamps) - steady_from) * 8 * block / (stamps[-1] - stamps[steady_from - 1])
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed_targets import runner_cmd  # noqa: E402
+from speed_targets import runner_cmd, trainer_cmd  # noqa: E402
 from trainer_vs_runner import _env, _spawn  # noqa: E402
 
 HOOK = Path(__file__).resolve().parent / "step_phases_hook"
@@ -80,10 +80,7 @@ def run(kind: str, work: Path, tag: str, steps: int, block: int, precision: str)
     env["PYTHONPATH"] = f"{HOOK}:{env['PYTHONPATH']}"
     env["RUNNER_BENCH_PHASES"], env["RUNNER_BENCH_PHASES_STEPS"] = str(out), str(steps)
     if kind == "trainer":
-        cmd = [sys.executable, str(Path(__file__).resolve().parent / "speed_targets.py"), "--trainer-worker", "--steps",
-               str(steps), "--out", str(work / f"{tag}-times.json"), "--block", str(block)]
-        if precision == "bf16":
-            cmd.append("--bf16")
+        cmd = trainer_cmd(steps, work / f"{tag}-times.json", precision == "bf16", block)
     else:
         extra = ["model.chunked_loss=false"] if kind == "runner, plain loss" else []
         cmd = runner_cmd(work / tag, steps, precision, extra, block)

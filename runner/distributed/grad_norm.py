@@ -88,10 +88,10 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
     18-25 ms either way); on one thread it took 56-77 ms in every step, fast or slow,
     which put runner's fp32 step 3% behind the Trainer's at 8 x 128. On a GPU the norm
     runs on the device and the host's threads do not matter."""
-    if device.type != "cpu" or torch.get_num_threads() == 1:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
         yield
         return
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
