@@ -14,8 +14,6 @@ strategy now reports the norm of the gradients it holds.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,7 +48,10 @@ def clip_and_norm(params: list[Any], max_grad_norm: float) -> torch.Tensor:
 # GPU as on a CPU. A new float64 tensor per chunk cost more than the sums themselves on a
 # CPU under launch.retain_freed_memory=false: each a fresh mmap, a page fault per 4 KiB
 # touched (runner/train/host_memory.py; GPT-2 124M: 337 ms, now 83; bench/grad_norm.py).
-NORM_CHUNK_ELEMENTS = 1 << 20
+# 512K elements is a 4 MB buffer, each of 2 threads' halves the size of its core's L2
+# on this project's CPUs: 1M read the same median with slower outliers, 256K and less
+# slower as each op's launch and join costs show (36, 41, 56 ms at 512K, 256K, 128K).
+NORM_CHUNK_ELEMENTS = 1 << 19
 
 
 def grad_norm(grads: list[Any]) -> Any:
@@ -67,36 +68,12 @@ def grad_norm(grads: list[Any]) -> Any:
         local = [g.to_local() if mesh is not None else g for g in group]
         buffer = torch.empty(min(NORM_CHUNK_ELEMENTS, max(g.numel() for g in local)), dtype=torch.float64,
                              device=local[0].device)
-        with one_cpu_thread(buffer.device):
-            total = torch.stack([_sum_of_squares(g, buffer) for g in local]).sum()
+        total = torch.stack([_sum_of_squares(g, buffer) for g in local]).sum()
         if mesh is not None:  # each rank summed its own shard: add them up over the sharded mesh dims
             partial = [Partial("sum") if p.is_shard() else Replicate() for p in placements]
             total = DTensor.from_local(total, mesh, partial).full_tensor()
         squares.append(total.to(device))
     return torch.stack(squares).sum().sqrt()
-
-
-@contextlib.contextmanager
-def one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """Within: torch's CPU ops on one thread, when `device` is the CPU (else nothing changes).
-
-    Each chunk is cast into the buffer by one parallel op and summed by the next, and the
-    two do not split the buffer between threads alike: a thread reads what the other
-    wrote, moving 8 MB between cores per chunk. On a 2-core CPU that cost the norm 4.5x in
-    some steps and not others (GPT-2 124M's gradients, between backward and the optimizer
-    step: 225-240 ms against 48-55, while torch's float32 norm of the same gradients took
-    18-25 ms either way); on one thread it took 56-77 ms in every step, fast or slow,
-    which put runner's fp32 step 3% behind the Trainer's at 8 x 128. On a GPU the norm
-    runs on the device and the host's threads do not matter."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _sum_of_squares(g: Any, buffer: torch.Tensor) -> Any:
@@ -108,8 +85,13 @@ def _sum_of_squares(g: Any, buffer: torch.Tensor) -> Any:
     for chunk in flat.split(buffer.numel()):
         cast = buffer[: chunk.numel()]
         cast.copy_(chunk)
-        # Not the BLAS's dot (ddot), though 0.6x the time on GPT-2 124M's gradients on a CPU
-        # (31 against 51 ms a step): its float64 sum over a 3M-element gradient is 1e-13
-        # from the exact norm, vector_norm's within rounding of it.
-        sums.append(torch.linalg.vector_norm(cast).square())
+        # Squared in place and summed, not vector_norm(cast).square(): GPT-2 124M's
+        # gradients on 2 CPU threads took 35-37 ms against vector_norm's 49 (and 64 on
+        # the one thread runner had run it on; bench/grad_norm.py), the error unchanged.
+        # In the step, vector_norm's reduction took 225-240 ms in some steps and 48-55 in
+        # others, as its threads' split of the chunk crossed cores; the square is split as
+        # the cast is, and square and sum held steady in bench/step_phases.py (each step's
+        # norm and clip: docs/benchmarks.md). The BLAS's dot is barely faster (32 ms) and
+        # 2e-14 off the whole gradient's float64 sum, where this is within 2e-16.
+        sums.append(cast.square_().sum())
     return torch.stack(sums).sum()
