@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlparse
 
+from runner.components.activations import fuse_activations
 from runner.config.errors import UserError
 from runner.config.spec import ModelSpec
 
@@ -282,6 +283,8 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     # run_clm: grow the embedding only if the tokenizer has more tokens than the model.
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(vocab_size)
+    if spec.fused_activations:
+        fuse_activations(model)
     if spec.gradient_checkpointing:
         # transformers 5 renamed it; 4.x only has the old name.
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

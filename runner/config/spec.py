@@ -118,6 +118,12 @@ class ModelSpec:
     forward changes its logits before the loss or whose head is not a plain linear layer."""
     attn_implementation: Optional[AttnImplementation] = None
     """eager | sdpa. null: transformers' default for the model."""
+    fused_activations: bool = True
+    """Compute the tanh-approximated GELU written in Python (`gelu_new`, `gelu_fast`: GPT-2,
+    GPT-Neo, GPT-J, CodeGen, Phi) with torch's fused kernel, as transformers'
+    `gelu_pytorch_tanh` does: the same function to float rounding, one pass over the MLP's
+    activations instead of seven (runner/components/activations.py). The saved model keeps
+    its config's activation."""
 
 
 @dataclass

@@ -85,6 +85,9 @@ HARMLESS = frozenset({
     # dropping it. With dropout on, another kernel may draw other masks: the continuation is
     # then statistically the same, not bit for bit, as after a change of layout.
     "train.deterministic", "model.compile", "model.attn_implementation",
+    # torch's fused tanh GELU for transformers' Python one: the same function, rounded
+    # otherwise (runner/components/activations.py).
+    "model.fused_activations",
     # The head and loss over chunks of tokens: the same sums in another order (exact to
     # float rounding against the plain loss, tests/components/test_chunked_loss.py).
     "model.chunked_loss",

@@ -34,6 +34,7 @@ import torch
 from accelerate import Accelerator
 
 from runner.components.adapters import add_adapters, uses_adapters
+from runner.components.activations import activation_note
 from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import compile_layers
 from runner.components.chunked_loss import install as install_chunked_loss
@@ -99,6 +100,7 @@ class Built:
     model: torch.nn.Module
     chunked: Optional[ChunkedLoss] = None  # the head and loss over chunks of tokens (model.chunked_loss)
     loss_note: str = ""  # how the loss is computed, for the banner
+    activation_note: str = ""  # the activations model.fused_activations swapped, for the banner
 
 
 def run(spec: Optional[RunSpec], launched: Optional[float] = None) -> dict[str, Any]:
@@ -211,7 +213,7 @@ def build_seeded_model(spec: RunSpec) -> Built:
             note += '; pip install "runner[liger]" for Liger\'s fused kernel'
     else:
         note = f"plain (the whole logits at once): {why_not}"
-    return Built(tokenizer, config, model, chunked, note)
+    return Built(tokenizer, config, model, chunked, note, activation_note(config, model))
 
 
 def make_accelerator(spec: RunSpec, strategy: Strategy, built: Built, run_dir: Path) -> Accelerator:
@@ -254,6 +256,8 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
         lines = [banner(plan, str(run_dir)), f"  optimizer      {optimizer_in_use}", f"  loss           {built.loss_note}"]
+        if built.activation_note:
+            lines.append(f"  activations    {built.activation_note}")
         if spec.model.compile:
             lines.append(f"  compile        {strategy.compile_note()}")
         lines += [f"  note           {note}" for note in strategy.notes(spec.optim.fused)]  # as in run_spec.yaml
