@@ -283,6 +283,14 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     # run_clm: grow the embedding only if the tokenizer has more tokens than the model.
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(vocab_size)
+    apply_model_settings(spec, model)
+    return model
+
+
+def apply_model_settings(spec: ModelSpec, model: "PreTrainedModel") -> None:
+    """What a run changes in the model transformers built: its activations
+    (model.fused_activations) and gradient checkpointing. The memory plan's trace applies
+    the same to its fake model (runner/components/step_trace.py)."""
     if spec.fused_activations:
         fuse_activations(model)
     if spec.gradient_checkpointing:
@@ -290,7 +298,6 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
         model.config.use_cache = False
-    return model
 
 
 def starting_model(spec: ModelSpec, seed: int) -> tuple["PreTrainedTokenizerBase", "PretrainedConfig", "PreTrainedModel"]:

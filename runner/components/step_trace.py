@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.chunked_loss import install as install_chunked_loss
+from runner.components.model import apply_model_settings
 from runner.config.spec import ModelSpec, PeftSpec
 
 
@@ -191,7 +192,7 @@ def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics
                 peft: Optional[PeftSpec]) -> Iterator[tuple[Any, Any]]:
     """Within: (the model the run would build, on fake tensors, with its adapters; its
     chunked loss, or None where the run computes the plain loss). Its config, attention
-    implementation, dropout and gradient checkpointing are the run's."""
+    implementation, activations, dropout and gradient checkpointing are the run's."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -205,10 +206,8 @@ def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics
 
     def build() -> Any:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
-        if spec.gradient_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
-            model.config.use_cache = False
+        # the fused GELU saves one tensor for backward where gelu_new saves several
+        apply_model_settings(spec, model)
         return model
 
     adapters = peft is not None and uses_adapters(peft)
@@ -247,8 +246,8 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
                numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
                pairs: bool = False) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
-    run would build (its config, attention implementation, dropout and gradient
-    checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
+    run would build (its config, attention implementation, activations, dropout and
+    gradient checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
     counted as a GPU's fused kernels keep it (gpu_attention_kernels), not as the CPU's.
     `pairs`: a preference objective's micro-batch of `micro_batch` pairs, 2 x micro_batch
     sequences, scored as its loss scores them (the chunked head a chunk of pairs at a

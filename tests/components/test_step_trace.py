@@ -126,3 +126,17 @@ def test_a_preference_evaluation_is_traced_on_its_pairs_logits_unless_chunked():
     assert 1.95 * logits <= plain_pairs < 2.2 * logits  # the temporary: all tokens but the last
     assert 0.95 * plain_blocks < plain_pairs <= plain_blocks  # the blocks' scores also hold an argmax
     assert peak(True, 8, True) < 0.6 * plain_pairs
+
+
+def test_the_plan_traces_the_activation_the_run_computes():
+    """model.fused_activations: torch's fused tanh-GELU keeps its input alone for backward
+    where transformers' gelu_new keeps three more tensors of the MLP's width per layer
+    (measured 24.0 of them over 8 layers); the plan traces the one the run computes."""
+    deep = GPT2Config(n_embd=64, n_layer=8, n_head=4, n_positions=128, vocab_size=512)
+
+    def peak(spec: ModelSpec) -> int:
+        return trace_step(spec, deep, 8, 128, "fp32", Numerics.fp32).activation_peak
+
+    fused, python = peak(ModelSpec()), peak(ModelSpec(fused_activations=False))
+    mlp_tensor = 8 * 128 * 4 * 64 * 4  # one fp32 tensor of the MLP's 4 x 64 features
+    assert python - fused >= 0.95 * 8 * 3 * mlp_tensor, (fused, python)
