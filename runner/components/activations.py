@@ -7,9 +7,9 @@ elementwise torch ops, each a pass over the MLP's (tokens x 4 x width) activatio
 forward, and more in backward. transformers' own `gelu_pytorch_tanh` module computes the
 same function with torch's one kernel (F.gelu(approximate="tanh")), which transformers
 documents as equivalent, not bit for bit. Both are as close to the float64 formula
-(4.9e-7 at most, fp32 on a normal sample). One GPT-2 124M layer's activation at 8 x 128,
-forward and backward on 2 CPU cores: fp32 24.8 against 6.3 ms, bf16 10.0 against 6.5
-(bench/activations.py), over 12 layers 4% of the fp32 step. The model's config still names
+(6.5e-7 at most in fp32, bench/activations.py). One GPT-2 124M layer's activation at
+8 x 128, forward and backward on 2 CPU cores: fp32 28.7 against 7.8 ms, bf16 10.3
+against 6.8 (bench/activations.py), over 12 layers about 5% of the fp32 step. The model's config still names
 its own activation, so the saved model is the architecture as published.
 """
 
@@ -29,7 +29,7 @@ def fuse_activations(model: Any) -> int:
     state dict, the checkpoints and the saved model are unchanged."""
     from transformers.activations import ACT2FN
 
-    slow = tuple({type(ACT2FN[name]) for name in PYTHON_TANH_GELU})
+    slow = tuple({_module_class(name) for name in PYTHON_TANH_GELU})
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -42,11 +42,17 @@ def fuse_activations(model: Any) -> int:
 def activation_note(config: Any, model: Any) -> str:
     """The banner's line for the activations fuse_activations swapped in `model` ("" when
     its config names no Python tanh-GELU or none was swapped)."""
-    from transformers.activations import ACT2FN
-
     named = getattr(config, "activation_function", None) or getattr(config, "hidden_act", None)
     if named not in PYTHON_TANH_GELU:
         return ""
-    fused = type(ACT2FN[FUSED_TANH_GELU])
+    fused = _module_class(FUSED_TANH_GELU)
     swapped = sum(type(m) is fused for m in model.modules())
     return f"{swapped} x {named} by torch's fused tanh GELU (model.fused_activations)" if swapped else ""
+
+
+def _module_class(name: str) -> type:
+    """The module class transformers builds for activation `name` (ACT2FN makes an
+    instance; its class table's entries may carry arguments, so the instance is asked)."""
+    from transformers.activations import ACT2FN
+
+    return type(ACT2FN[name])

@@ -206,7 +206,8 @@ def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics
 
     def build() -> Any:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
-        # the fused GELU saves one tensor for backward where gelu_new saves several
+        # The run's activations and gradient checkpointing, as build_model applies them:
+        # both change what backward keeps (the fused GELU three MLP-width tensors fewer a layer).
         apply_model_settings(spec, model)
         return model
 
