@@ -56,6 +56,12 @@ VARIANTS = {
 }
 
 
+# runner's metrics window: the steps one tokens/s figure covers. Steady state is then the
+# windows after --steady-from, which must end a window for runner's steps and the
+# Trainer's to be the same ones.
+LOG_EVERY = 2
+
+
 def split_batch(block: int) -> tuple[int, int]:
     """Batch 8 as (per device, accumulation): 4 x 2 above 256 tokens, where 8 x 1024 does
     not fit this machine's 24 GiB (runner's plan refuses it: 24.3 GiB)."""
@@ -67,7 +73,7 @@ def runner_cmd(run_dir: Path, steps: int, precision: str, extra: list[str], bloc
     return [sys.executable, "-m", "runner", "recipe=gpt2_clm_tiny", "model.config_overrides=null",
             f"data.block_size={block}", f"train.per_device_batch_size={per_device}",
             f"train.grad_accum_steps={accumulation}", f"train.max_steps={steps}", "train.eval_every=0",
-            "train.log_every=2", "data.max_eval_samples=8", "tracking=none", f"precision={precision}",
+            f"train.log_every={LOG_EVERY}", "data.max_eval_samples=8", "tracking=none", f"precision={precision}",
             f"hydra.run.dir={run_dir}", *extra]
 
 
@@ -78,9 +84,9 @@ def run_runner(work: Path, tag: str, steps: int, steady_from: int, precision: st
     windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line]
     steady = [w for w in windows if w["step"] > steady_from]
     tokens = 8 * block
-    seconds = sum(2 * tokens / w["tokens_per_s"] for w in steady)  # log_every=2
+    seconds = sum(LOG_EVERY * tokens / w["tokens_per_s"] for w in steady)
     results = json.loads((run_dir / "all_results.json").read_text())
-    return {"tokens_per_s": 2 * tokens * len(steady) / seconds,
+    return {"tokens_per_s": LOG_EVERY * tokens * len(steady) / seconds,
             "mfu": sum(w["mfu"] for w in steady) / len(steady),
             "compile_seconds": results.get("compile_seconds"), "recompilations": results.get("recompilations")}
 
@@ -125,7 +131,7 @@ def versus_trainer(args: argparse.Namespace, work: Path) -> None:
     rows = []
     for block in args.blocks:
         steps, steady_from = (args.steps, args.steady_from) if block <= 256 else (args.long_steps, args.long_steady_from)
-        for precision in ("fp32", "bf16"):
+        for precision in args.precisions:
             print(f"8 x {block} ({' x '.join(map(str, split_batch(block)))}), {precision}: runner, Trainer, Trainer with runner's host settings "
                   f"({steps} steps, steady after {steady_from}; {args.repeats} round(s), interleaved) ...", flush=True)
             figures: dict[str, list[float]] = {"runner": [], "plain": [], "tuned": []}
@@ -222,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versus-trainer", action="store_true", help="issue 50's table only: runner vs the Trainer")
     parser.add_argument("--blocks", type=lambda text: [int(b) for b in text.split(",")], default=[128, 1024],
                         help="block sizes for --versus-trainer (default 128,1024)")
+    parser.add_argument("--precisions", type=lambda text: text.split(","), default=["fp32", "bf16"],
+                        help="precisions for --versus-trainer (default fp32,bf16)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="--versus-trainer: rounds of the three runs, interleaved; the table shows medians (default 1)")
     parser.add_argument("--long-steps", type=int, default=8, help="steps a run at a block above 256 (default 8)")
@@ -231,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steady_from % LOG_EVERY or args.long_steady_from % LOG_EVERY:
+        # An odd one would start runner's steady windows a step before the Trainer's.
+        parser.error(f"--steady-from and --long-steady-from must be multiples of {LOG_EVERY} (runner's metrics window)")
     if args.trainer_worker:
         from trainer_vs_runner import worker_trainer
 
