@@ -12,7 +12,7 @@ shipped, and the difference over GPT-2's 12 layers:
 
 - sdpa as shipped (the fp32 upcast);
 - sdpa with the bf16 reduction allowed (the scores rounded to bf16 before the softmax);
-- transformers' eager attention for GPT-2 (bf16 matmuls, an fp32 softmax).
+- transformers' eager attention for GPT-2 (its own function: the scores in bf16).
 
 Also the attention probabilities' dropout mask alone (`bernoulli_`): torch draws it with
 MKL's parallel generator only on Intel CPUs, and element by element on one thread
@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +60,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> t
 
 
 def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
-    """transformers' GPT-2 eager attention: scores in the inputs' dtype, fp32 softmax."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    """transformers' own GPT-2 eager attention (`model.attn_implementation=eager`), with
+    the additive causal mask transformers gives it."""
+    from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+
     causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(F.dropout(probs, dropout, training=dropout > 0), v)
+    mask = torch.zeros(causal.shape, dtype=q.dtype, device=q.device).masked_fill(~causal, torch.finfo(q.dtype).min)
+    out, _ = eager_attention_forward(SimpleNamespace(training=dropout > 0), q, k, v, mask, dropout=dropout)
+    return out.transpose(1, 2)  # its output is batch x tokens x heads; back to sdpa's layout
 
 
 VARIANTS: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
