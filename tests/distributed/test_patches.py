@@ -1,6 +1,7 @@
 """Each private patch runs only on the library versions it was verified on; elsewhere the
 library's own behaviour runs, and the banner and run_spec.yaml say so."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -75,3 +76,28 @@ def test_run_spec_yaml_names_a_patch_left_out(monkeypatch, tmp_path):
     assert "# patch zero3_release_gradient_partition not engaged: deepspeed 0.20.1" in text
     ddp = freeze(RunSpec(), tmp_path).read_text()  # ddp uses no DeepSpeed: nothing about its patches
     assert not [line for line in ddp.splitlines() if line.startswith("# patch") and "deepspeed" in line]
+
+
+def test_a_patch_left_out_names_the_command_that_installs_its_verified_version(monkeypatch):
+    from runner.config.versions import LOCK_FILE
+
+    unverified(monkeypatch, "accelerate", "1.99.0")
+    notes = patches.fence_notes({"accelerate"})
+    assert notes and all(n.endswith(f"the verified set: pip install -c {LOCK_FILE} accelerate") for n in notes)
+
+
+def test_each_patch_names_tests_that_exist():
+    repo = Path(__file__).resolve().parents[2]
+    for patch in patches.PATCHES:
+        assert patch.tests, patch.name
+        for test in patch.tests:
+            path, _, function = test.partition("::")
+            source = (repo / path).read_text()
+            assert not function or f"def {function}(" in source, test
+
+
+def test_every_patchs_library_is_locked_at_a_version_it_was_verified_on():
+    from runner.config.versions import canonical, locked_versions
+
+    for patch in patches.PATCHES:
+        assert locked_versions()[canonical(patch.library)] in patch.verified, patch.name
