@@ -31,4 +31,7 @@ import torch
 print(f"gpu-check: torch {torch.__version__}, CUDA {torch.version.cuda}, GPU: "
       f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
 PY
+# The image's versions beside the lock's (runner/constraints.txt): its own torch, transformers,
+# accelerate and peft are kept, and a fenced patch they do not engage is named in each run's banner.
+python -m runner env | grep -E '\(locked|verified set' | tee "$OUT/versions.txt"
 exec python bench/gpu_check.py $CPU --out "$OUT"

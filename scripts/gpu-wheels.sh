@@ -2,8 +2,10 @@
 # Download here, beforehand, what scripts/gpu-check.sh installs on a lent GPU machine that
 # has no network: its image has torch, transformers, accelerate and peft, not hydra-core,
 # omegaconf, datasets, deepspeed or liger-kernel. Into .gpu-wheels/ (ignored by git), for
-# the image's Python (default 3.12: give another as the first argument), the versions
-# installed here, at most 64 MiB in all (what travels with the working tree).
+# the image's Python (default 3.12: give another as the first argument), the lock's
+# versions (runner/constraints.txt) but for pyarrow (below), at most 64 MiB in all (what
+# travels with the working tree). The image's own torch, transformers, accelerate and peft
+# are kept: the check's `runner env` prints them beside the lock's.
 #
 #   scripts/gpu-wheels.sh            # then: run scripts/gpu-check.sh with carry [".gpu-wheels"]
 #   scripts/gpu-wheels.sh 3.11
@@ -12,9 +14,15 @@ cd "$(dirname "$0")/.."
 PY=${1:-3.12}
 OUT=.gpu-wheels
 rm -rf "$OUT" && mkdir -p "$OUT"
-version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+version() {  # the lock's pin of a distribution (its canonical name)
+  local v
+  v=$(sed -n "s/^$1==\([^ ;]*\).*/\1/p" runner/constraints.txt)
+  [ -n "$v" ] || { echo "gpu-wheels: $1 is not in runner/constraints.txt" >&2; exit 1; }
+  echo "$v"
+}
 # Binary wheels for that Python on x86-64 Linux, without their dependencies: each is named.
-# pyarrow is datasets' oldest allowed (>= 24), the smallest: 49 MB of the 64 MiB, pandas 12 more.
+# pyarrow is datasets' oldest allowed (>= 24), the smallest: 49 MB of the 64 MiB, pandas 12 more
+# (the lock's pyarrow is larger; datasets reads and writes the check's data the same with either).
 # Left out as the image has them or the check does not need them: huggingface-hub (transformers 5's),
 # ninja (deepspeed's JIT ops only), tzdata (pandas reads time zones from the system's). `import deepspeed`
 # itself needs einops and msgpack.
@@ -25,10 +33,11 @@ download() {
 }
 download "hydra-core==$(version hydra-core)" "omegaconf==$(version omegaconf)" "datasets==$(version datasets)" \
   "torchdata==$(version torchdata)" "liger-kernel==$(version liger-kernel)" \
-  "pyarrow==24.0.0" pandas dill multiprocess xxhash "fsspec==$(version fsspec)" python-dateutil \
-  hjson py-cpuinfo msgpack einops
+  "pyarrow==24.0.0" "pandas==$(version pandas)" "dill==$(version dill)" "multiprocess==$(version multiprocess)" \
+  "xxhash==$(version xxhash)" "fsspec==$(version fsspec)" "python-dateutil==$(version python-dateutil)" \
+  "hjson==$(version hjson)" "py-cpuinfo==$(version py-cpuinfo)" "msgpack==$(version msgpack)" "einops==$(version einops)"
 # Only sources on PyPI: built into wheels here (pure Python; deepspeed's ops build on first use).
-python -m pip wheel -q --disable-pip-version-check --no-deps -w "$OUT" "antlr4-python3-runtime==4.9.3"
+python -m pip wheel -q --disable-pip-version-check --no-deps -w "$OUT" "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
 python -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$OUT" "deepspeed==$(version deepspeed)"
 total=$(du -cb "$OUT"/*.whl | tail -1 | cut -f1)
 ls -l "$OUT"

@@ -7,10 +7,12 @@
 #   scripts/test.sh unit    the unit tier only (a minute; once set up, `python -m pytest`)
 #
 # Set-up, with the pip of the python that runs this (a venv's, if one is active):
-# - torch==2.13.0 (the CPU build) only when no torch is installed: on a GPU machine,
-#   install the torch build you want first and it is kept;
+# - torch at the lock's version (2.13.0, the CPU build here) only when no torch is installed:
+#   on a GPU machine, install the torch build you want first and it is kept;
 # - the project, editable, with its dev extras; then deepspeed (its sdist imports torch
-#   while building, hence --no-build-isolation, after torch);
+#   while building, hence --no-build-isolation, after torch); every version from the lock,
+#   runner/constraints.txt (the verified set: a release since cannot turn main red;
+#   scripts/newest.sh tries the newest on purpose);
 # - for the cluster tier, as root where apt-get exists, the Debian packages of
 #   scripts/test-cluster.sh when any is missing, in the background while the other tiers
 #   run. Elsewhere (not root, not Debian) the cluster tests skip, naming what to install.
@@ -33,10 +35,11 @@ if [ "$tiers" = all ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; th
     cluster_install=$!
 fi
 python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' ||
-    python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev]"
-python -m pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
-python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|accelerate|deepspeed|hydra-core|omegaconf|liger-kernel) '
+    python -m pip install -q "torch==$(sed -n 's/^# torch==//p' runner/constraints.txt)"
+python -m pip install -q -c runner/constraints.txt -e ".[dev]"
+python -m pip install -q -c runner/constraints.txt --no-build-isolation -e ".[deepspeed]"
+# The versions installed beside the locked ones (and a line naming any that differ).
+python -m runner env | grep -E '^- ([A-Za-z_-]+: .*\(locked|verified set)'
 
 if [ "$tiers" = unit ]; then
     exec python -m pytest -m unit

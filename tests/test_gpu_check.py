@@ -40,3 +40,4 @@ def test_the_gpu_check_runs_every_case_on_a_cpu_and_writes_its_table(tmp_path):
     measured = {t["what"]: t["ratio"] for t in table["targets"]}
     assert measured["runner, bf16 / Trainer, bf16, tokens_per_s"] > 0
     assert measured["~0.5B from config, LoRA / ~0.5B from config, full, peak_memory_mb"] > 0
+    assert "(locked " in (out / "versions.txt").read_text()  # the image's versions beside the lock's

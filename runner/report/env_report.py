@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import shutil
 import sys
 
-PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "hydra-core", "omegaconf", "tensorboard")
+from runner.config.versions import KEY_LIBRARIES, LOCK_FILE, canonical, differences, install_hint, installed, locked_versions
 
 
 def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    return installed(name) or "not installed"
+
+
+def library_lines() -> list[str]:
+    """Each key library's installed version beside the lock's (runner/constraints.txt), and
+    how to install the verified set where they differ."""
+    lock = locked_versions()
+    lines = []
+    for name in KEY_LIBRARIES:
+        have, want = installed(name), lock.get(canonical(name))
+        mark = "" if want is None or (have or "").split("+")[0] == want else "   <- differs"
+        lines.append(f"- {name}: {have or 'not installed'} (locked {want or '-'}){mark}")
+    if not lock:
+        lines.append(f"- verified set: no lock at {LOCK_FILE}")
+    elif differing := differences():
+        lines.append(f"- verified set: {len(differing)} of {len(KEY_LIBRARIES)} differ from the lock; "
+                     f"to install it: {install_hint()}")
+    else:
+        lines.append(f"- verified set: installed ({LOCK_FILE})")
+    return lines
 
 
 def report() -> str:
     import torch
 
     lines = ["runner env", f"- runner: {_version('runner')}", f"- python: {sys.version.split()[0]} ({sys.executable})"]
-    lines += [f"- {name}: {_version(name)}" for name in PACKAGES]
+    lines += library_lines()
     lines.append(f"- platform: {platform.platform()}")
     lines.append(f"- CPU cores: {os.cpu_count()}")
     if torch.cuda.is_available():
