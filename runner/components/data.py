@@ -115,6 +115,10 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
                              "too_long": data.too_long.value, "packing": data.packing,
                              "rows": 3,  # 2: packed rows carry real_tokens; 3: the text tokenized once
                              "special_tokens": special_tokens(tokenizer)}
+        if data.format is DataFormat.preference:
+            # Pairs are packed at collate time (preference_batch.py): a packed run reads the
+            # padded run's rows, and its precomputed reference (keyed by this key).
+            del parts["instruct"]["packing"]
     if data.train_file:
         parts["train_file"] = _file_sha256(os.path.expanduser(data.train_file))
         parts["train_type"] = builder_for(data.train_file)
@@ -393,7 +397,13 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
         from runner.components.instruct import chat_template_text
 
         template = chat_template_text(data.chat_template, tokenizer)
-    path = root / cache_key(data, tokenizer, block_size, template)
+    # Preference records that are chat messages are rendered by the tokenizer's own template
+    # when data.chat_template is unset: it joins the key (whether the records are messages
+    # is known only once they are read, so a templated tokenizer keys string pairs with it too).
+    keyed_template = template
+    if data.format is DataFormat.preference and template is None and getattr(tokenizer, "chat_template", None):
+        keyed_template = str(tokenizer.chat_template)
+    path = root / cache_key(data, tokenizer, block_size, keyed_template)
     hit = (path / COMPLETE_MARKER).exists()
     if not hit:
         with _cache_lock(path):

@@ -11,7 +11,9 @@ Rows of other layouts are made to share one: among instruction examples, a text 
 becomes an example trained on every token (labels the ids; packed, a row of one
 sequence with its own position ids), which is what the causal-LM loss trains on it
 anyway. Each row carries its source's index (`source`), which the collate functions
-leave out of the batch.
+leave out of the batch. Preference pairs are renumbered by their place in the mixed
+split (`pair_index`), which the precomputed reference's table is indexed by: each source
+numbers its own pairs from 0.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from runner.components.labels import SOURCE
+from runner.components.preference_batch import PAIR_INDEX
 from runner.config.data_spec import DataFormat, DataSpec
 from runner.config.mixture import evaluation_quota, row_format, shares_asked, source_names, source_specs
 
@@ -119,6 +122,14 @@ def interleave(parts: Sequence["Dataset"], data: DataSpec) -> "Dataset":
                                stopping_strategy=data.mixture_stopping.value)
 
 
+def renumber_pairs(rows: "Dataset") -> "Dataset":
+    """Preference rows numbered by their place in `rows` (a pair twice under all_exhausted
+    gets two numbers, scored alike); other rows as they are."""
+    if PAIR_INDEX not in rows.column_names:
+        return rows
+    return rows.remove_columns(PAIR_INDEX).add_column(PAIR_INDEX, list(range(len(rows))))
+
+
 def mixture_key(keys: Sequence[str], data: DataSpec) -> str:
     """What identifies the mixed rows: the sources' cache keys and the sampling's settings."""
     parts = {"sources": list(keys), "weights": [float(s.weight) for s in data.mixture or []],
@@ -164,4 +175,5 @@ def mix(data: DataSpec, prepare_source: Callable[[DataSpec], Any]) -> Mixed:
     train, validation = interleave(trains, data), concatenate_datasets(validations)
     if data.max_train_samples is not None:
         train = train.select(range(min(data.max_train_samples, len(train))))
+    train, validation = renumber_pairs(train), renumber_pairs(validation)
     return Mixed(train, validation, mixture_of(train, figures), mixture_key([r.cache_path.name for r in prepared], data))

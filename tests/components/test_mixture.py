@@ -156,3 +156,26 @@ def test_the_trained_shares_are_the_schedules_rows_in_every_layout(world, per_de
     results = mixture_results(spec, data, plan, steps)
     assert [r["trained_examples_share"] for r in results] == [round(t / sum(trained), 6) for t in trained]
     assert [r["trained_tokens_share"] for r in results] == [round(t / sum(trained_tokens), 6) for t in trained_tokens]
+
+
+def test_a_mixture_of_preference_sources_numbers_each_pair_by_its_place_in_the_mixture(tokenizer, tmp_path):
+    """The precomputed reference's table is indexed by `pair_index`: each source numbers its
+    pairs from 0, so the mixture renumbers them, or source A's pair 0 and source B's pair 0
+    would read one row (issue 61, 1)."""
+    import gzip
+    import json
+
+    records = [json.loads(line) for line in gzip.open(asset_path("austen_pref.jsonl.gz"), "rt")][:300]
+    second = tmp_path / "second.jsonl"
+    second.write_text("".join(json.dumps(r) + "\n" for r in reversed(records)))
+    data = DataSpec(block_size=128, format=DataFormat.preference, mixture=[
+        MixtureSource(name="a", train_file=str(asset_path("austen_pref.jsonl.gz")), weight=0.5),
+        MixtureSource(name="b", train_file=str(second), weight=0.5)])
+    mixed = prepare(data, tokenizer, 128)
+    for split in (mixed.train, mixed.validation):
+        sources = column(split, SOURCE)
+        assert set(sources) == {0, 1}  # both sources in each split
+        assert column(split, "pair_index") == list(range(len(split)))
+    chosen = column(mixed.train, "chosen_input_ids")
+    rows = collate_for(data, mixed.pad_id)([mixed.train[i] for i in range(6)])
+    assert rows["pair_index"].tolist() == list(range(6)) and len(chosen) == len(mixed.train)

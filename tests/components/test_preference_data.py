@@ -369,3 +369,40 @@ def test_a_split_the_hub_dataset_lacks_is_refused_naming_those_it_has(compose_sp
         f"{', '.join(ULTRAFEEDBACK_SPLITS)}. Set data.train_split to one of them.")
     held = load_raw(dataclasses.replace(data, validation_split=None))  # no `validation` split: 5% of train held out
     assert (len(held["train"]), len(held["validation"])) == (23, 1)
+
+
+def test_chat_pairs_rendered_by_the_tokenizers_own_template_key_the_cache_with_it(gpt2, plain, tmp_path):
+    """Two tokenizers that differ only in their chat template: a run of the second must not
+    read the pairs the first one's template rendered (issue 61, 3)."""
+    import copy
+
+    from runner.components.data import prepare
+    from runner.config.data_spec import DataFormat, DataSpec
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(as_chat(r, system=False)) + "\n" for r in pref_records(40)))
+    first, second = copy.deepcopy(gpt2), copy.deepcopy(gpt2)
+    first.chat_template = plain
+    second.chat_template = plain.replace("### Assistant:", "### Reply:")  # the same but for one heading
+    data = DataSpec(train_file=str(pairs), format=DataFormat.preference, validation_split_percentage=10,
+                    cache_dir=str(tmp_path / "cache"))
+    one, two = prepare(data, first, 256), prepare(data, second, 256)
+    assert one.cache_path != two.cache_path
+    assert "### Reply:" in gpt2.decode(two.train[0]["chosen_input_ids"])  # what the second's own template renders
+    assert "### Reply:" not in gpt2.decode(one.train[0]["chosen_input_ids"])
+
+
+def test_packing_is_not_in_the_preference_cache_key(gpt2, tmp_path):
+    """Pairs are packed at collate time: a packed run reads a padded run's rows and its
+    precomputed reference table, keyed by the data's key (issue 61, 10)."""
+    from dataclasses import replace
+
+    from runner.components.data import cache_key
+    from runner.config.data_spec import DataFormat, DataSpec
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in pref_records(10)))
+    data = DataSpec(train_file=str(pairs), format=DataFormat.preference)
+    assert cache_key(data, gpt2, 256) == cache_key(replace(data, packing=True), gpt2, 256)
+    sft = DataSpec(train_file=str(pairs), format=DataFormat.prompt_completion, completion_field="chosen")
+    assert cache_key(sft, gpt2, 256) != cache_key(replace(sft, packing=True), gpt2, 256)  # instruction rows are packed when built

@@ -4,6 +4,7 @@ that cover every pair once, and with the adapters off equal to the base model al
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -117,3 +118,24 @@ def test_the_key_names_the_data_the_starting_weights_and_the_precision(tmp_path)
     (folder / "model.safetensors").write_bytes(b"y" * 11)  # retrained into the same folder
     others.append(describe_key(data, ModelSpec(name_or_path=str(folder)), 0, "fp32", sizes))
     assert len({key, *others}) == 1 + len(others)
+
+
+def test_the_key_names_everything_that_changes_the_reference_log_probs(tmp_path):
+    """model.config_overrides on a pretrained model changes the function the weights compute
+    (issue 61, 2); kernels that compute the same function to float rounding (attention,
+    activations, compile, the chunked head) share one table, as layouts do."""
+    from runner.components.objectives.reference import describe_key
+    from runner.config.spec import AttnImplementation, ModelSpec
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    data, sizes = tmp_path / "cache" / "abc123", {"train": 5, "validation": 2}
+    plain = ModelSpec(name_or_path=str(folder))
+    keys = {describe_key(data, spec, 0, "fp32", sizes) for spec in [
+        plain, replace(plain, config_overrides="layer_norm_epsilon=0.5"),
+        replace(plain, config_overrides="layer_norm_epsilon=0.25")]}
+    assert len(keys) == 3
+    same = replace(plain, gradient_checkpointing=True, compile=True, chunked_loss=False, fused_activations=False,
+                   attn_implementation=AttnImplementation.eager)
+    assert describe_key(data, same, 0, "fp32", sizes) == describe_key(data, plain, 0, "fp32", sizes)

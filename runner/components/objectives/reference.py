@@ -161,20 +161,28 @@ def _write_tables(path: Path, key: str, tables: dict[str, torch.Tensor]) -> None
     os.replace(tmp, path)
 
 
+# The table's own format: 2 numbers a mixture's pairs by their place in the mixture (a table
+# keyed before that indexed each source's pairs from 0, colliding).
+TABLE_FORMAT = 2
+
+
 def describe_key(cache_path: Path, model: Any, seed: int, precision: str, sizes: dict[str, int]) -> str:
     """What a table is valid for: the prepared data (and how many of its pairs), the
     starting weights (a folder's weight files by name, size and modification time; a hub
-    id; or a scratch model's config and seed) and the precision they were scored in."""
+    id; or a scratch model's config and seed), model.config_overrides (applied to a
+    pretrained config too, they change the function the weights compute) and the precision
+    they were scored in. Kernels that compute the same function to float rounding
+    (attention, activations, compile, the chunked head) share a table, as layouts do."""
     weights: Any = model.name_or_path
     if model.name_or_path is None:
-        weights = {"model_type": model.model_type, "config_overrides": model.config_overrides, "seed": seed}
+        weights = {"model_type": model.model_type, "seed": seed}
     elif Path(model.name_or_path).is_dir():
         folder = Path(model.name_or_path)
         weights = {"folder": str(folder.resolve()), "files": sorted(
             (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
             if f.suffix in (".safetensors", ".bin", ".pt") or f.name.endswith(".index.json"))}
-    return json.dumps({"data": cache_path.name, "sizes": sizes, "weights": weights, "precision": precision},
-                      sort_keys=True)
+    return json.dumps({"data": cache_path.name, "sizes": sizes, "weights": weights, "precision": precision,
+                       "config_overrides": model.config_overrides, "format": TABLE_FORMAT}, sort_keys=True)
 
 
 def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: Any, run_dir: Path,
