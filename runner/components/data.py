@@ -113,7 +113,8 @@ def cache_key(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: 
             fields += [data.chosen_field, data.rejected_field]
         parts["instruct"] = {"format": data.format.value, "fields": fields, "template": template, "train_on_prompt": data.train_on_prompt,
                              "too_long": data.too_long.value, "packing": data.packing,
-                             "rows": 3,  # 2: packed rows carry real_tokens; 3: the text tokenized once
+                             "rows": 4,  # 2: packed rows carry real_tokens; 3: the text tokenized once; 4: a chat
+                             # template closing its last answer with the EOS gets no second one
                              "special_tokens": special_tokens(tokenizer)}
         if data.format is DataFormat.preference:
             # Pairs are packed at collate time (preference_batch.py): a packed run reads the

@@ -91,10 +91,25 @@ def encode(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], add_spec
     return Example(ids, [token if keep else IGNORE_INDEX for token, keep in zip(ids, trained)])
 
 
-def _close(example: Example, eos_id: Optional[int], train_on_prompt: bool) -> Example:
-    """An EOS (trained) closes the example; the first token is never a target."""
+def _closed_by_template(example: Example, eos_id: Optional[int], tokenizer: Any) -> bool:
+    """Whether the template wrote the EOS in the last answer, only whitespace after it:
+    ChatML-style templates (Qwen's, whose <|im_end|> is the EOS) end a turn with the EOS
+    and a newline, and a second EOS after the newline would be trained too."""
+    ids = example.input_ids
+    if eos_id is None or eos_id not in ids:
+        return False
+    last = len(ids) - 1 - ids[::-1].index(eos_id)
+    tail = ids[last + 1:]
+    return example.labels[last] != IGNORE_INDEX and (not tail or not tokenizer.decode(tail).strip())
+
+
+def _close(example: Example, eos_id: Optional[int], train_on_prompt: bool, tokenizer: Any = None) -> Example:
+    """An EOS (trained) closes the example, unless the chat template closed its last answer
+    with one (`tokenizer` given: _closed_by_template); the first token is never a target."""
     ids, labels = list(example.input_ids), list(example.labels)
-    if eos_id is not None and (not ids or ids[-1] != eos_id):
+    if tokenizer is not None and _closed_by_template(example, eos_id, tokenizer):
+        pass  # the template's EOS, in the answer's span, is trained already
+    elif eos_id is not None and (not ids or ids[-1] != eos_id):
         ids.append(eos_id)
         labels.append(eos_id)
     elif eos_id is not None:  # written by the template or the tokenizer's post-processor: trained all the same
@@ -185,7 +200,7 @@ def chat_example(tokenizer: Any, messages: Sequence[dict[str, str]], template: O
     else:
         whole, spans = chat_spans(messages, renderer(tokenizer, template))
         example = encode(tokenizer, whole, spans, add_special_tokens=False)
-    return _close(example, tokenizer.eos_token_id, train_on_prompt)
+    return _close(example, tokenizer.eos_token_id, train_on_prompt, tokenizer)
 
 
 def fit_to_block(example: Example, block_size: int, too_long: str) -> Optional[Example]:

@@ -420,3 +420,33 @@ def test_text_settings_are_refused_with_instruction_formats(compose_spec):
         "data.keep_linebreaks=false is for .txt files (data.format=text); data.format=prompt_completion reads JSON "
         "records, whose text keeps its line breaks. Remove the override."]
     assert problems("data.preprocessing_num_workers=2") == []  # honoured: the records are tokenized on 2
+
+
+# Qwen2.5's layout, its end of turn written as the tokenizer's EOS (Qwen's <|im_end|> is its EOS)
+CHATML_EOS = ("{%- for message in messages %}"
+              "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+              "{%- if message['role'] == 'assistant' %}{{- eos_token + '\\n' }}{%- else %}{{- '<|im_end|>\\n' }}{%- endif %}"
+              "{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_a_template_that_closes_a_turn_with_the_eos_and_a_newline_gets_no_second_eos(tokenizer, turns):
+    """ChatML-style templates (Qwen's: <|im_end|> is its EOS) end an answer with the EOS and
+    a newline; the example ends there, not with a second, trained EOS after the newline
+    (issue 61, 11)."""
+    from runner.components.instruct import chat_example
+
+    messages = []
+    for turn in range(turns):
+        messages += [{"role": "user", "content": f"Question {turn}?"}, {"role": "assistant", "content": f"Answer {turn}."}]
+    example = chat_example(tokenizer, messages, CHATML_EOS)
+    eos = tokenizer.eos_token_id
+    assert example.input_ids.count(eos) == turns  # one a turn, the template's own
+    assert tokenizer.decode(example.input_ids).endswith("Answer %d.<|endoftext|>\n" % (turns - 1))
+    last = len(example.input_ids) - 1 - example.input_ids[::-1].index(eos)
+    assert example.labels[last] == eos  # the answer's EOS is trained
+    # A template that writes no EOS still gets one, trained, after the answer.
+    plain = chat_example(tokenizer, messages, CHATML_EOS.replace("eos_token + ", "'<|im_end|>' + "))
+    assert tokenizer.decode(plain.input_ids).endswith("<|im_end|>\n<|endoftext|>")
+    assert plain.input_ids[-1] == eos and plain.labels[-1] == eos
