@@ -277,6 +277,13 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation.value
     if spec.name_or_path:
+        # fp32 weights under every precision (bf16 is autocast over them; a strategy keeps any
+        # low-precision copy itself): transformers 5 would load a checkpoint in its saved
+        # dtype, and most hub checkpoints are saved in bf16.
+        import torch
+        import transformers
+
+        kwargs["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(spec.name_or_path), config=config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_config(config, **kwargs)

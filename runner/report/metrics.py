@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +33,19 @@ class MetricsWriter:
                 if isinstance(record.get(key), list):
                     numbers[key] = max(record[key])
             self.tracker_log(numbers, int(record["step"]))
+
+
+def evaluation_name(name: str) -> str:
+    """An evaluation figure's name in metrics.jsonl and the trackers: `eval_` before any
+    name a training line uses too (a preference run's rewards/*, logps/*), as TRL and the
+    Trainer prefix them, so each series holds one value a step. perplexity is run_clm's."""
+    return name if name.startswith("eval_") or name == "perplexity" else f"eval_{name}"
+
+
+def evaluation_record(results: dict[str, Any], figures: Sequence[str]) -> dict[str, Any]:
+    """An evaluation's line: the objective's figures and each source's eval_loss/<name>."""
+    return {**{evaluation_name(name): results[name] for name in figures},
+            **{name: value for name, value in results.items() if name.startswith("eval_loss/")}}
 
 
 class Progress:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -138,13 +139,39 @@ def save_outputs(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
     out = run_dir / (ADAPTER_DIRNAME if adapters else "model")
     state_dict = strategy.full_state_dict(accelerator, model)  # every rank calls: a collective
     if accelerator.is_main_process:
+        written = weights_dtype(state_dict)  # before save_pretrained, which empties the dict
         unwrap(accelerator, model).save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        record_weights_dtype(out, written)
         tokenizer.save_pretrained(out)
         if adapters and spec.peft.save_merged:
             with strategy.alone(accelerator):  # this rank alone: no collective (ZeRO-3's hung)
                 save_merged_model(spec, out, run_dir / "model", tokenizer)
     accelerator.wait_for_everyone()
     return out
+
+
+def weights_dtype(state_dict: dict[str, Any]) -> Optional[torch.dtype]:
+    """The dtype of a state dict's floating weights (mixed: the most common); None: none."""
+    dtypes = [t.dtype for t in state_dict.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return max(set(dtypes), key=dtypes.count) if dtypes else None
+
+
+def record_weights_dtype(out: Path, dtype: Optional[torch.dtype]) -> None:
+    """config.json's `dtype` made `dtype`, the weights' written beside it. save_pretrained
+    records the module's dtype, and under zero2/zero3 with bf16 that is the engine's bf16
+    copy while the weights written are its fp32 master: a load with dtype="auto" (lm-eval's
+    eval.dtype=auto, a user's) would then run in bf16 under ZeRO and in fp32 under ddp.
+    peft's adapter/ carries no dtype (its base's config does)."""
+    config_path = out / "config.json"
+    if dtype is None or not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    if config.get("dtype") != name:
+        config["dtype"] = name
+        tmp = config_path.with_name(f".{config_path.name}.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, config_path)
 
 
 def save_merged_model(spec: RunSpec, adapter_dir: Path, out: Path, tokenizer: Any) -> None:

@@ -21,11 +21,19 @@ class LoopState:
     # batch continues at the same sample (Accelerate hands rank r batches r, r+N, ...).
     samples_in_epoch: int = 0
     start_step: int = 0  # the step this process started from (> 0 after a resume)
-    loss_sum: Optional[torch.Tensor] = None  # summed on device; read only at log steps
-    loss_count: int = 0
+    # The log window's figures: each step's mean over its micro-batches, summed over the
+    # window's steps (on device; read only at log steps), so the window's figure is the mean
+    # of its steps and an epoch's short last step weighs as much as a whole one.
+    loss_sum: Optional[torch.Tensor] = None
+    loss_count: int = 0  # steps in the window
     # The objective's further figures (MicroBatchLoss.metrics), summed like loss_sum (and
     # checkpointed like it: a resume inside a log window closes it with the same numbers).
     metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The step under way: its micro-batches' figures summed, and how many (a checkpoint
+    # falls between steps: these are never saved).
+    step_sum: Optional[torch.Tensor] = None
+    step_micro_batches: int = 0
+    step_metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     total_loss: float = 0.0  # mean-of-steps train loss, like the HF Trainer's train_loss
     total_loss_steps: int = 0
     skipped_steps: int = 0  # fp16 overflows: the step was skipped and the loss scale lowered
@@ -41,6 +49,32 @@ class LoopState:
     def real_tokens_so_far(self) -> int:
         """Tokens trained so far that are not padding (reads the device)."""
         return 0 if self.real_tokens is None else int(self.real_tokens)
+
+
+def _add(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    sums[name] = value if name not in sums else sums[name] + value
+
+
+def add_micro_batch(state: LoopState, logged: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+    """A micro-batch's logged loss and figures, into the step under way."""
+    s = state
+    s.step_sum = logged if s.step_sum is None else s.step_sum + logged
+    s.step_micro_batches += 1
+    for name, value in metrics.items():
+        _add(s.step_metric_sums, name, value.float())
+
+
+def close_step(state: LoopState) -> None:
+    """The step's figures (the mean over its micro-batches) into the log window."""
+    s = state
+    if s.step_sum is None:
+        return
+    count = s.step_micro_batches
+    s.loss_sum = s.step_sum / count if s.loss_sum is None else s.loss_sum + s.step_sum / count
+    s.loss_count += 1
+    for name, value in s.step_metric_sums.items():
+        _add(s.metric_sums, name, value / count)
+    s.step_sum, s.step_micro_batches, s.step_metric_sums = None, 0, {}
 
 
 def checkpoint_meta(state: LoopState, plan: RunPlan, accelerator: Any, counts_real_tokens: bool) -> dict[str, Any]:
@@ -69,6 +103,7 @@ def checkpoint_meta(state: LoopState, plan: RunPlan, accelerator: Any, counts_re
         "total_loss_steps": s.total_loss_steps,
         "pending_loss_sums": pending_sums,
         "pending_loss_count": s.loss_count,
+        "pending_loss_counts": "steps",  # before: micro-batches, each step weighed by its number of them
         "pending_metric_sums": metric_sums,
         "skipped_steps": s.skipped_steps,
     }
@@ -96,20 +131,21 @@ def restore_loop_state(state: LoopState, meta: dict[str, Any], plan: RunPlan, ac
     count = int(meta.get("pending_loss_count", 0))
     if count:
         sums = meta.get("pending_loss_sums") or [float(meta["pending_loss_sum"])]
-        same_layout = (
-            len(sums) == plan.world_size
-            and int(meta.get("grad_accum_steps", plan.grad_accum_steps)) == plan.grad_accum_steps
-        )
         metric_sums = meta.get("pending_metric_sums") or {}
+        by_steps = meta.get("pending_loss_counts") == "steps"
+        same_layout = by_steps and len(sums) == plan.world_size
         if same_layout:  # this rank's own sum: the window closes bit-exactly
             s.loss_count = count
             s.loss_sum = torch.tensor(sums[accelerator.process_index], device=accelerator.device)
             s.metric_sums = {name: torch.tensor(values[accelerator.process_index], device=accelerator.device)
                              for name, values in metric_sums.items()}
-        else:  # another layout: the window's mean micro-batch loss, over this layout's count
-            old_accum = int(meta.get("grad_accum_steps", 1))
-            s.loss_count = count // old_accum * plan.grad_accum_steps
-            mean = sum(sums) / len(sums) / count
-            s.loss_sum = torch.tensor(mean * s.loss_count, device=accelerator.device)
-            s.metric_sums = {name: torch.tensor(sum(values) / len(values) / count * s.loss_count,
-                                                device=accelerator.device) for name, values in metric_sums.items()}
+        else:
+            # Another number of ranks: each gets the ranks' mean sum (the window's mean over
+            # ranks is what it closes with). A checkpoint that counted micro-batches: its
+            # window's mean as that many steps' worth (its steps were whole but the last).
+            steps = count if by_steps else -(-count // int(meta.get("grad_accum_steps", 1)))
+            scale = 1.0 if by_steps else steps / count
+            s.loss_count = steps
+            s.loss_sum = torch.tensor(sum(sums) / len(sums) * scale, device=accelerator.device)
+            s.metric_sums = {name: torch.tensor(sum(values) / len(values) * scale, device=accelerator.device)
+                             for name, values in metric_sums.items()}

@@ -20,10 +20,10 @@ import torch
 
 from runner.components.compile import NO_COMPILE, compile_stats
 from runner.components.objectives.base import Objective
-from runner.report.metrics import Progress
+from runner.report.metrics import Progress, evaluation_record
 from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_rank_state, save_checkpoint
 from runner.train.ledger import Ledger, resumed, write_snapshot
-from runner.train.loop_state import LoopState, checkpoint_meta, restore_loop_state
+from runner.train.loop_state import LoopState, add_micro_batch, checkpoint_meta, close_step, restore_loop_state
 from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.plan import RunPlan
 from runner.train.results import Reports, postfix
@@ -249,13 +249,10 @@ class Trainer:
                 else:
                     self._count_skip()
                 self.optimizer.zero_grad(set_to_none=True)
-        detached = loss.logged.detach().float()
-        s.loss_sum = detached if s.loss_sum is None else s.loss_sum + detached
-        s.loss_count += 1
-        for name, value in loss.metrics.items():
-            s.metric_sums[name] = value.float() + s.metric_sums[name] if name in s.metric_sums else value.float()
+        add_micro_batch(s, loss.logged.detach().float(), loss.metrics)
         if not acc.sync_gradients:
             return False
+        close_step(s)
         s.step += 1
         if s.first_step_time is None:
             s.first_step_time = time.time()
@@ -364,8 +361,7 @@ class Trainer:
         self._elsewhere("evaluation", time.perf_counter() - started - compiling)
         if results:
             self.state.last_eval = results
-            self.reports.metrics.write({"step": self.state.step, **{k: results[k] for k in self.objective.figures},
-                                        **{k: v for k, v in results.items() if k.startswith("eval_loss/")}})
+            self.reports.metrics.write({"step": self.state.step, **evaluation_record(results, self.objective.figures)})
             line = f"step {self.state.step}: {self.objective.describe(results)}"
             if progress is not None:
                 progress.write(line)

@@ -125,3 +125,21 @@ def test_a_mixture_of_experts_passes_the_probe_and_its_config_is_left_alone():
     assert probe_model(spec, config) == []
     # The run's own model keeps transformers' default experts.
     assert (config.to_dict(), getattr(config, "_experts_implementation", None)) == before
+
+
+def test_a_checkpoint_saved_in_bf16_loads_as_fp32_weights(tmp_path):
+    """Most hub checkpoints are saved in bf16, and transformers 5 loads a checkpoint in its
+    saved dtype: runner's weights are fp32 under every precision (bf16 is autocast over fp32
+    weights, the strategy's low-precision copy its own), so a pretrained model is read into
+    fp32, every value its bf16 one exactly."""
+    from runner.components.model import build_config, build_model
+    from runner.config.spec import ModelSpec
+
+    torch.manual_seed(0)
+    saved = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=32, vocab_size=128)).to(torch.bfloat16)
+    saved.save_pretrained(tmp_path / "bf16")
+    spec = ModelSpec(name_or_path=str(tmp_path / "bf16"))
+    model = build_model(spec, build_config(spec), 128)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor.float()), name

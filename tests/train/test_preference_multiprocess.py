@@ -103,7 +103,7 @@ def test_a_frozen_reference_sharded_like_the_policy_trains_as_precomputed_on_one
     # the final evaluation scores the validation pairs against the copy too
     evaluated = [[r for r in map(json.loads, path.read_text().splitlines()) if "eval_loss" in r][-1]
                  for path in (frozen[strategy] / "metrics.jsonl", reference)]
-    for name in ("eval_loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+    for name in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
         a, b = evaluated[0][name], evaluated[1][name]
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (name, a, b)
 

@@ -55,3 +55,27 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     logged = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     assert [step for step, _ in shown] == list(range(1, 9))
     assert [value for _, value in shown] == pytest.approx([value for _, value in logged], rel=1e-6)
+
+
+@pytest.mark.e2e
+def test_a_preference_evaluation_goes_to_tensorboard_under_eval_names(tmp_path):
+    """A DPO evaluation's rewards/* and logps/* are eval_rewards/* and eval_logps/* (TRL's
+    names), as eval_loss is prefixed: one series a name, one value a step (issue 61, 8)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from runner.cli import main
+
+    run_dir = tmp_path / "run"
+    main(["recipe=gpt2_dpo_tiny", "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=128'",
+          "data.block_size=128", "data.max_train_samples=8", "data.max_eval_samples=4", "train.per_device_batch_size=4",
+          "train.max_steps=2", "train.log_every=1", "train.eval_every=1", f"hydra.run.dir={run_dir}"])
+    [log_dir] = [p.parent for p in (run_dir / "tensorboard").rglob("events.out.tfevents.*") if p.parent.name == "gpt2_dpo_tiny"]
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    for name in ("rewards/margins", "rewards/chosen", "logps/chosen"):
+        trained = [e.step for e in events.Scalars(name)]
+        assert trained == [1, 2], (name, trained)  # the training steps' values alone
+        assert [e.step for e in events.Scalars(f"eval_{name}")] == [1, 2], name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in rows if "eval_loss" in r]
+    assert evaluations and all("rewards/margins" not in r and "eval_rewards/margins" in r for r in evaluations)
