@@ -118,7 +118,7 @@ def trl_worker(spec_path: Path, reference: str, out: Path) -> None:
             max_length=spec.data.block_size, truncation_mode="keep_end",
             loss_type=[spec.preference.loss_type.value], beta=spec.preference.beta,
             label_smoothing=spec.preference.label_smoothing,
-            disable_dropout=False,  # runner trains with the model's dropout; TRL's default turns it off
+            disable_dropout=spec.preference.disable_dropout,  # both off by default (TRL's, and runner's since issue 61)
             precompute_ref_log_probs=reference == "precomputed",
             precompute_ref_batch_size=train.per_device_batch_size,
         )

@@ -294,6 +294,25 @@ def build_model(spec: ModelSpec, config: "PretrainedConfig", vocab_size: int) ->
     return model
 
 
+def disable_dropout(model: Any) -> int:
+    """Every dropout of `model` made 0, as TRL's disable_dropout_in_model does (its
+    nn.Dropout modules, peft's LoRA dropout among them), and the attention's dropout
+    rate the attention modules read as a number (Llama's, Mistral's, Qwen's
+    `attention_dropout`). Returns how many were on."""
+    import torch
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float):
+            changed += rate > 0
+            module.attention_dropout = 0.0
+    return changed
+
+
 def apply_model_settings(spec: ModelSpec, model: "PreTrainedModel") -> None:
     """What a run changes in the model transformers built: its activations
     (model.fused_activations) and gradient checkpointing. The memory plan's trace applies

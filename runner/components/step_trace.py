@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.chunked_loss import install as install_chunked_loss
-from runner.components.model import apply_model_settings
+from runner.components.model import apply_model_settings, disable_dropout
 from runner.config.spec import ModelSpec, PeftSpec
 
 
@@ -189,7 +189,7 @@ def _sampling_tracker(samples: list[tuple[int, int]]) -> Any:
 
 @contextlib.contextmanager
 def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics,
-                peft: Optional[PeftSpec]) -> Iterator[tuple[Any, Any]]:
+                peft: Optional[PeftSpec], dropout: bool = True) -> Iterator[tuple[Any, Any]]:
     """Within: (the model the run would build, on fake tensors, with its adapters; its
     chunked loss, or None where the run computes the plain loss). Its config, attention
     implementation, activations, dropout and gradient checkpointing are the run's."""
@@ -209,6 +209,8 @@ def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics
         # The run's activations and gradient checkpointing, as build_model applies them:
         # both change what backward keeps (the fused GELU three MLP-width tensors fewer a layer).
         apply_model_settings(spec, model)
+        if not dropout:  # a preference run's (preference.disable_dropout), as the worker does
+            disable_dropout(model)
         return model
 
     adapters = peft is not None and uses_adapters(peft)
@@ -218,6 +220,8 @@ def _fake_model(spec: ModelSpec, config: Any, precision: str, numerics: Numerics
         # so the model and its adapters are built on the meta device, then given fake storage.
         with torch.device("meta"):
             meta_model = add_adapters(peft, build(), spec.gradient_checkpointing)
+            if not dropout:
+                disable_dropout(meta_model)  # the adapters' too
     # Experts traceable for every forward here: the chunked loss's probe runs one too.
     with FakeTensorMode(allow_non_fake_inputs=True), grouped_experts_traceable(), quiet_fake_tensor_errors():
         model = meta_model.to_empty(device="cpu") if adapters else build()  # a frozen base: gradients only for the adapters
@@ -245,7 +249,7 @@ def _attention(model: Any, gpu_kernels: bool) -> Any:
 
 def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, precision: str,
                numerics: Numerics, gpu_kernels: bool = False, peft: Optional[PeftSpec] = None,
-               pairs: bool = False) -> StepTrace:
+               pairs: bool = False, dropout: bool = True) -> StepTrace:
     """Trace one micro-batch of `micro_batch` x `block_size` tokens through the model the
     run would build (its config, attention implementation, activations, dropout and
     gradient checkpointing), in train mode, under `numerics`. `gpu_kernels`: SDPA attention
@@ -257,7 +261,7 @@ def trace_step(spec: ModelSpec, config: Any, micro_batch: int, block_size: int, 
 
     start = time.perf_counter()
     samples: list[tuple[int, int]] = []
-    with _fake_model(spec, config, precision, numerics, peft) as (model, chunked):
+    with _fake_model(spec, config, precision, numerics, peft, dropout) as (model, chunked):
         model.train()
         parameters = sum(p.numel() for p in model.parameters())
         trained = [p for p in model.parameters() if p.requires_grad]

@@ -48,3 +48,8 @@ class PreferenceSpec:
     peft, adapter_off; otherwise precomputed (the starting weights' log-probs, scored
     once before training and kept in the run folder). frozen: a second copy of the
     starting weights, sharded like the policy, scoring each micro-batch."""
+    disable_dropout: bool = True
+    """Turn the policy's dropout off, the adapters' (LoRA's) included, as TRL's DPOConfig
+    does by default: the reference scores without dropout in every mode, so with it off
+    a fresh run's first step is the reference (loss log 2, margins 0). false keeps the
+    model's and the adapters' dropout in the policy."""

@@ -156,11 +156,14 @@ _TRACED: dict[tuple[Any, ...], Any] = {}
 def _traced(kind: Any, spec: RunSpec, config: Any, batch: int, block_size: int, how: Numerics, gpu: bool,
             pairs: bool) -> Any:
     """trace_step or trace_evaluation (`kind`) of this model and batch, traced once a process."""
+    # A preference run trains with dropout off by default (preference.disable_dropout): its
+    # masks are not kept for backward. Evaluation runs in eval mode, without them anyway.
+    extra = {"dropout": not (pairs and spec.preference.disable_dropout)} if kind is trace_step else {}
     key = (kind, repr(spec.model), config.to_json_string(), batch, block_size, spec.precision.kind.value,
-           how, gpu, repr(spec.peft), pairs)
+           how, gpu, repr(spec.peft), pairs, tuple(extra.items()))
     if key not in _TRACED:
         _TRACED[key] = kind(spec.model, config, batch, block_size, spec.precision.kind.value, how, gpu_kernels=gpu,
-                            peft=spec.peft, pairs=pairs)
+                            peft=spec.peft, pairs=pairs, **extra)
     return _TRACED[key]
 
 

@@ -50,6 +50,7 @@ from runner.components.objectives.base import ObjectiveSetup
 from runner.components.model import (
     count_parameters,
     count_trainable_parameters,
+    disable_dropout,
     layer_class_names,
     layer_parameters,
     max_positions,
@@ -59,7 +60,7 @@ from runner.components.optim import build_optimizer, build_scheduler, effective_
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.mixture import row_format, source_names
-from runner.config.spec import DataFormat, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
+from runner.config.spec import DataFormat, ObjectiveKind, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
 from runner.distributed.accelerator import build_accelerator, describe, skip_output_upcast, unwrap
 from runner.distributed.engagement import check_engaged
 from runner.distributed.process_group import agree_on_spec, init_process_group
@@ -201,6 +202,8 @@ def build_seeded_model(spec: RunSpec) -> Built:
     tokenizer, config, model = starting_model(spec.model, spec.train.seed)
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
+    if spec.train.objective is ObjectiveKind.dpo and spec.preference.disable_dropout:
+        disable_dropout(model)  # TRL's default: the policy's, the adapters' included
     objective = objective_class(spec.train.objective)
     chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss
                         and objective.chunked_head

@@ -1,4 +1,5 @@
-"""A preference run end to end (recipe=gpt2_dpo_tiny, dropout on as the recipe trains):
+"""A preference run end to end (recipe=gpt2_dpo_tiny, its dropout kept on with
+preference.disable_dropout=false, so the resume must continue each random stream):
 kill -9 between checkpoints and resume=auto continues bit for bit, reading the reference's
 log-probs back from the run folder instead of scoring the data again."""
 
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.e2e]
 # the kill lands after step 6 is logged, two steps past it.
 QUICK = ["recipe=gpt2_dpo_tiny", "model.config_overrides='n_embd=32,n_layer=1,n_head=2,n_positions=128'",
          "data.block_size=128", "data.max_train_samples=13", "data.max_eval_samples=4", "train.per_device_batch_size=4",
-         "train.max_steps=7", "train.log_every=3", "train.eval_every=0", "train.save_every=4", "tracking=none"]
+         "train.max_steps=7", "train.log_every=3", "train.eval_every=0", "train.save_every=4", "tracking=none",
+         "preference.disable_dropout=false"]
 
 
 def command(run_dir: Path) -> list[str]:

@@ -65,8 +65,16 @@ class AdapterOff(Reference):
         self.chunked = chunked
 
     def logps(self, model: Any, batch: dict[str, Any], split: str) -> Optional[torch.Tensor]:
-        with torch.no_grad(), self.bare.disable_adapter():
-            return sequence_logps(model, batch, self.cache, self.chunked)[0]
+        """The base's log-probs in eval mode, as the precomputed and frozen references score:
+        with the policy's dropout kept (preference.disable_dropout=false) the reference
+        still has none, in every mode."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.bare.disable_adapter():
+                return sequence_logps(model, batch, self.cache, self.chunked)[0]
+        finally:
+            model.train(was_training)
 
 
 class Precomputed(Reference):
