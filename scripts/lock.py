@@ -85,10 +85,23 @@ def lock_text(dists: dict[str, importlib.metadata.Distribution]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def extra_requirement(name: str, pyproject: Path = Path(__file__).resolve().parent.parent / "pyproject.toml") -> str:
+    """The one requirement of pyproject.toml's extra `name` (deepspeed's, which installs by
+    itself after torch: scripts/test.sh, scripts/newest.sh)."""
+    import tomllib
+
+    [requirement] = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"][name]
+    return requirement
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/lock.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=LOCK_FILE, help=f"where to write (default {LOCK_FILE})")
+    parser.add_argument("--extra", help="print pyproject.toml's requirement of this one-package extra, write nothing")
     args = parser.parse_args(argv)
+    if args.extra:
+        print(extra_requirement(args.extra))
+        return 0
     args.out.write_text(lock_text(installed_distributions()))
     print(f"lock: wrote {args.out}")
     return 0

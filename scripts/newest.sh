@@ -42,11 +42,11 @@ if [ -n "$ONLY" ]; then
     grep -viE "^$ONLY==" "$LOCK" | grep -viE "^$(echo "$ONLY" | tr '_-' '-_')==" >"$OUT/lock-but-$ONLY.txt"
     constraint=(-c "$OUT/lock-but-$ONLY.txt")
     pip_install "${constraint[@]}" -e ".[dev]" || exit 1
-    pip_install "${constraint[@]}" --no-build-isolation -e ".[deepspeed]" || exit 1
+    pip_install "${constraint[@]}" --no-build-isolation "$($PY scripts/lock.py --extra deepspeed)" || exit 1
     pip_install "${constraint[@]}" --upgrade --upgrade-strategy only-if-needed "$ONLY" || exit 1
 else
     pip_install --upgrade --upgrade-strategy eager -e ".[dev]" || exit 1
-    pip_install --upgrade --no-build-isolation -e ".[deepspeed]" || exit 1
+    pip_install --upgrade --no-build-isolation "$($PY scripts/lock.py --extra deepspeed)" || exit 1
 fi
 $PY scripts/lock.py --out "$OUT/constraints.txt" >/dev/null
 $PY scripts/newest.py registry "$OUT/registry.json" || echo '{}' >"$OUT/registry.json"

@@ -37,7 +37,9 @@ fi
 python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' ||
     python -m pip install -q "torch==$(sed -n 's/^# torch==//p' runner/constraints.txt)"
 python -m pip install -q -c runner/constraints.txt -e ".[dev]"
-python -m pip install -q -c runner/constraints.txt --no-build-isolation -e ".[deepspeed]"
+# deepspeed by itself (--no-build-isolation builds it against the torch installed, and would
+# need the project's own build backend here too), its range pyproject.toml's extra.
+python -m pip install -q -c runner/constraints.txt --no-build-isolation "$(python scripts/lock.py --extra deepspeed)"
 # The versions installed beside the locked ones (and a line naming any that differ).
 python -m runner env | grep -E '^- ([A-Za-z_-]+: .*\(locked|verified set)'
 

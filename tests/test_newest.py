@@ -113,3 +113,10 @@ def test_newest_sh_runs_the_patches_certify_and_unit_checks():
     assert 'check patches "$PY" -m pytest' in script and "newest.py patch-tests" in script
     assert 'check certify "$OUT/venv/bin/runner" certify gpt2' in script
     assert 'check unit "$PY" -m pytest -p no:cacheprovider -m unit' in script
+
+
+def test_the_deepspeed_extra_is_read_from_pyproject():
+    from packaging.requirements import Requirement
+
+    requirement = Requirement(lock.extra_requirement("deepspeed"))
+    assert requirement.name == "deepspeed" and requirement.specifier.contains(versions.locked_versions()["deepspeed"])

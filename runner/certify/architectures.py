@@ -70,6 +70,12 @@ VARIANTS: dict[str, Variant] = {
         "mixtral", TINY["mixtral"] + ",output_router_logits=True,router_aux_loss_coef=0.01",
         ("data=austen_sft", "data.packing=true", "data.too_long=truncate"),
         ("train.per_device_batch_size=4", "train.grad_accum_steps=2")),
+    # The same router loss under any objective's own data (`runner certify mixtral_router
+    # --objective dpo`: DPO adds it once a micro-batch, a mean over the step's micro-batches,
+    # runner/components/objectives/dpo.py); its reference 1 process x 4 x 2 likewise.
+    "mixtral_router": Variant(
+        "mixtral", TINY["mixtral"] + ",output_router_logits=True,router_aux_loss_coef=0.01", (),
+        ("train.per_device_batch_size=4", "train.grad_accum_steps=2")),
 }
 ROWS = (*TINY, *VARIANTS)
 

@@ -300,11 +300,13 @@ class ChunkedLoss:
             self.state.labels = self.state.total = None
 
     def computing(self, model: Any, inputs: dict[str, Any],
-                  compute: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]) -> Any:
+                  compute: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor],
+                  extras: Optional[dict[str, Any]] = None) -> Any:
         """One forward of `model` (the prepared one, so every strategy's hooks run) on
         `inputs` (no labels) whose output head returns `compute(hidden, weight, bias)`
         instead of logits; returns what the model returned for it, which carries the
-        strategies' backward (ZeRO-3 hands a module's outputs on through its hook)."""
+        strategies' backward (ZeRO-3 hands a module's outputs on through its hook).
+        `extras` gets the forward's `aux_loss` (a mixture of experts' router loss, or None)."""
         returned: list[torch.Tensor] = []
 
         def noting(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -313,9 +315,12 @@ class ChunkedLoss:
 
         self.state.compute = noting
         try:
-            output = model(**inputs).logits
+            outputs = model(**inputs)
+            output = outputs.logits
         finally:
             self.state.compute = None
+        if extras is not None:
+            extras["aux_loss"] = getattr(outputs, "aux_loss", None)
         if not returned:
             raise RuntimeError("chunked loss: the model's forward never called its output head; set model.chunked_loss=false")
         if not _same_values(output, returned[0]):

@@ -159,12 +159,13 @@ def chunked_pair_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def forward_pairs(chunked: Any, model: Any, inputs: dict[str, Any], labels: torch.Tensor,
-                  pair_loss: Optional[PairLoss] = None,
-                  packed: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  pair_loss: Optional[PairLoss] = None, packed: Optional[dict[str, Any]] = None,
+                  extras: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward of `model` on a micro-batch of pairs through the chunked head
     (`chunked`, runner/components/chunked_loss.ChunkedLoss): (the pairs' loss as the model
     returned it, each sequence's summed log-probs, each sequence's trained tokens).
-    `packed`: the batch, when its rows are packed (preference_batch.pack_pairs)."""
+    `packed`: the batch, when its rows are packed (preference_batch.pack_pairs). `extras`
+    gets the forward's router loss (`aux_loss`)."""
     kept: dict[str, torch.Tensor] = {}
 
     def compute(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -173,5 +174,5 @@ def forward_pairs(chunked: Any, model: Any, inputs: dict[str, Any], labels: torc
                                                                  packed=packed)
         return total
 
-    loss = chunked.computing(model, inputs, compute)
+    loss = chunked.computing(model, inputs, compute, extras)
     return loss, kept["logps"], kept["tokens"]

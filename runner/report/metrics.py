@@ -36,9 +36,11 @@ class MetricsWriter:
 
 
 def evaluation_name(name: str) -> str:
-    """An evaluation figure's name in metrics.jsonl and the trackers: `eval_` before any
-    name a training line uses too (a preference run's rewards/*, logps/*), as TRL and the
-    Trainer prefix them, so each series holds one value a step. perplexity is run_clm's."""
+    """An evaluation figure's name in metrics.jsonl and the trackers: `eval_` before each
+    name that lacks it, as transformers' Trainer (and so TRL) prefixes evaluation metrics,
+    so that no series holds a training and an evaluation value at one step (a preference
+    run's rewards/*, logps/*). perplexity keeps run_clm's name. eval_results.json keeps
+    the objective's own names."""
     return name if name.startswith("eval_") or name == "perplexity" else f"eval_{name}"
 
 

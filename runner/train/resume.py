@@ -29,6 +29,7 @@ from runner.components.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
+from runner.report.metrics import evaluation_name
 from runner.train.checkpoint import (
     CHECKPOINTS_DIRNAME,
     COMPLETE_MARKER,
@@ -405,6 +406,7 @@ def _logged_evaluation(path: Path, step: int, keys: Sequence[str]) -> Optional[d
             row = json.loads(line)
         except ValueError:  # a line torn by kill -9 mid-write
             continue
-        if isinstance(row, dict) and row.get("step") == step and all(k in row for k in keys):
-            found = {k: row[k] for k in keys}
+        # An evaluation line names its figures as the trackers see them (eval_rewards/...).
+        if isinstance(row, dict) and row.get("step") == step and all(evaluation_name(k) in row for k in keys):
+            found = {k: row[evaluation_name(k)] for k in keys}
     return found

@@ -132,16 +132,17 @@ PREFERENCE_PAGE = PAGE.parent / "preference.md"
 def test_the_published_dpo_matrix_is_what_the_command_prints(tmp_path):
     """DPO under every strategy, with every weight training (the reference precomputed once
     before training) and with LoRA (the reference: the adapters off), in the same two
-    launches: GPT-2, a grouped-query Llama, Qwen3 and a mixture of experts, 34 pairs at 8 a
-    step (the epoch's last step holds 2), each against one process's run."""
+    launches: GPT-2, a grouped-query Llama, Qwen3 and a mixture of experts with its router
+    loss on (added once a micro-batch, as TRL's DPOTrainer adds it), 34 pairs at 8 a step
+    (the epoch's last step holds 2), each against one process's run."""
     out = tmp_path / "matrix.md"
-    done = certify("gpt2", "llama", "qwen3", "mixtral", "--objective", "dpo", "--peft", "none,lora", "--work-dir",
-                   str(tmp_path / "runs"), "--out", str(out))
+    done = certify("gpt2", "llama", "qwen3", "mixtral_router", "--objective", "dpo", "--peft", "none,lora",
+                   "--work-dir", str(tmp_path / "runs"), "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = assert_published(out, PREFERENCE_PAGE, "certify-dpo", "runner certify --objective dpo --peft none,lora")
     assert text.count("| exact | exact | exact | exact | exact | exact | exact | exact |") == 4
     runs = tmp_path / "runs"
-    for arch in ("gpt2", "llama", "qwen3", "mixtral"):
+    for arch in ("gpt2", "llama", "qwen3", "mixtral_router"):
         for run in ("reference", "ddp", "zero2", "zero3", "fsdp"):  # scored once, before training, by each run
             assert (runs / arch / "fp32_dpo" / run / "reference_logps.pt").exists(), (arch, run)
             assert not (runs / arch / "fp32_dpo_lora" / run / "reference_logps.pt").exists(), (arch, run)

@@ -114,7 +114,7 @@ def test_a_registered_objective_trains_and_evaluates_through_the_unchanged_loop(
     assert results["doubled_eval_loss"] == expected and "eval_loss" not in results
     assert results["eval_samples"] == 2 * accum
     line = (tmp_path / "doubled" / "metrics.jsonl").read_text().strip()
-    assert line.startswith('{"step": 0, "doubled_eval_loss": ')
+    assert line.startswith('{"step": 0, "eval_doubled_eval_loss": ')  # the Trainer's eval_ prefix
     for trainer in (reference, doubled):
         # a token-weighted step's window, opened by the objective as the loop's windows are
         opened = trainer.objective.open_window(data, torch.device("cpu"), all_ranks=False)
@@ -136,7 +136,7 @@ def test_a_resume_at_the_last_step_finds_the_objectives_own_logged_figures(tmp_p
     monkeypatch.setitem(OBJECTIVES, "doubled", Doubled)
     spec = compose_spec("recipe=gpt2_clm_tiny")
     spec = replace(spec, train=replace(spec.train, objective="doubled"))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 3.0}\n{"step": 4, "doubled_eval_loss": 5.5}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 3.0}\n{"step": 4, "eval_doubled_eval_loss": 5.5}\n')
     found = recorded_at_end(tmp_path, 4, spec, spec, eval_samples=16)
     assert found.source == "metrics.jsonl" and found.evaluation is not None
     assert found.evaluation["doubled_eval_loss"] == 5.5 and found.evaluation["eval_samples"] == 16

@@ -14,6 +14,12 @@ fillers hold none), and each micro-batch adds its pairs' sum over that count, so
 micro-batch with fewer pairs weighs less, in every layout. ORPO's chosen-answer NLL is
 token-weighted the same way, over the step's chosen answer tokens. What the loop logs
 (loss, rewards/*, logps/*) is the step's pair mean, as TRL names them.
+
+A mixture of experts with `output_router_logits` adds its router (load-balancing) loss
+x its coefficient, as TRL's DPOTrainer does: once a micro-batch (one forward over its
+2P sequences), a mean over the step's micro-batches that hold a real pair on all ranks,
+as the causal-LM objective weights it (token_weighting.py). Evaluation's figures are the
+pairs' alone, as eval_loss is the cross-entropy's alone for the causal LM.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from runner.components.chunked_loss import transformers_model
 from runner.components.chunked_pairs import forward_pairs
 from runner.components.labels import IGNORE_INDEX, model_inputs, row_real_tokens
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
@@ -32,6 +39,7 @@ from runner.components.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_
 from runner.config.spec import PreferenceLoss
 
 _PAIRS, _CHOSEN_TOKENS, _MICRO_BATCHES = "window_pairs", "window_chosen_tokens", "window_micro_batches"
+_ROUTER_SHARE = "router_share"  # this micro-batch's weight in the step's mean router loss
 
 # The per-pair figures logged and evaluated, by TRL's names
 PAIR_FIGURES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -43,6 +51,19 @@ def _filled(logps: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     -1 a sequence: ORPO's log(1 - p) of p = exp(0) is -inf, and 0 x inf is NaN in the
     sum over pairs and in its gradient. A filler's terms are weighted by 0 anyway."""
     return torch.where(real > 0, logps, torch.full_like(logps, -1.0))
+
+
+def router_coefficient(model: Any) -> Optional[float]:
+    """The router loss's coefficient of a mixture of experts that returns one
+    (`output_router_logits`): Mixtral's, Qwen-MoE's `router_aux_loss_coef`, JetMoE's
+    `aux_loss_coef`; None for a model without one (TRL's DPOTrainer reads the same)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    if coefficient is None:
+        coefficient = getattr(config, "aux_loss_coef", None)
+    return None if coefficient is None else float(coefficient)
 
 
 class DirectPreference(Objective):
@@ -57,29 +78,37 @@ class DirectPreference(Objective):
         self.settings = setup.preference
         self.reference: Reference = setup.reference if setup.reference is not None else Reference()
         self.orpo = self.settings.loss_type is PreferenceLoss.orpo
+        self.router_coefficient = router_coefficient(transformers_model(setup.model))
 
     # ------------------------------------------------------------------ training
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:
         """Each micro-batch carries the step's real pairs and chosen answer tokens on all ranks."""
         chosen = [answer_tokens(batch)[:pairs_in(batch)] for batch in window]  # trained tokens, per answer
+        real = [(trained > 0).sum() for trained in chosen]  # real pairs, per micro-batch
         counted = torch.stack([
-            torch.stack([(trained > 0).sum() for trained in chosen]).sum(),
+            torch.stack(real).sum(),
             torch.stack([trained.sum() for trained in chosen]).sum(),
             torch.stack([row_real_tokens(batch).sum() for batch in window]).sum(),
+            torch.stack([count > 0 for count in real]).sum(),  # micro-batches with a real pair
         ]).to(device=device, dtype=torch.int64)
         if all_ranks:
             torch.distributed.all_reduce(counted)
-        batches = [{**batch, _PAIRS: counted[0].float(), _CHOSEN_TOKENS: counted[1].float(), _MICRO_BATCHES: len(window)}
-                   for batch in window]
+        holding = counted[3].clamp(min=1).float()
+        batches = [{**batch, _PAIRS: counted[0].float(), _CHOSEN_TOKENS: counted[1].float(), _MICRO_BATCHES: len(window),
+                    _ROUTER_SHARE: (count > 0).float().to(device) / holding}
+                   for batch, count in zip(window, real)]
         return Window(batches, counted[2])
 
     def loss(self, model: Any, batch: Batch) -> MicroBatchLoss:
         pairs, chosen_tokens, micro = batch.pop(_PAIRS), batch.pop(_CHOSEN_TOKENS), batch.pop(_MICRO_BATCHES)
+        router_share = batch.pop(_ROUTER_SHARE)
         scored = self._score(model, batch, "train", (pairs.clamp(min=1), chosen_tokens.clamp(min=1)))
         # Backward averages over ranks and divides by the accumulation: undone here. The
         # log averages over ranks and the window's micro-batches.
         undo, logged_by = self.processes * self.grad_accum_steps, self.processes * micro
         total = scored["loss"]
+        if self.router_coefficient is not None and scored.get("aux_loss") is not None:
+            total = total + self.router_coefficient * scored["aux_loss"].to(total.device) * router_share
         metrics = {name: scored[name].detach() / pairs.clamp(min=1) * logged_by for name in PAIR_FIGURES}
         return MicroBatchLoss(total * undo, total * logged_by, metrics)
 
@@ -107,10 +136,13 @@ class DirectPreference(Objective):
             return part
 
         inputs, wanted = model_inputs(batch, cache=self.cache), loss_of if step_counts is not None else None
+        extras: dict[str, Any] = {}
         if self.chunked is not None:
-            loss, logps, tokens = forward_pairs(self.chunked, model, inputs, batch["labels"], wanted, layout)
+            loss, logps, tokens = forward_pairs(self.chunked, model, inputs, batch["labels"], wanted, layout, extras)
         else:
-            logps, tokens = logps_of_logits(model(**inputs).logits, batch["labels"], layout)
+            outputs = model(**inputs)
+            extras["aux_loss"] = getattr(outputs, "aux_loss", None)
+            logps, tokens = logps_of_logits(outputs.logits, batch["labels"], layout)
             loss = loss_of(logps[:p], logps[p:], tokens[:p], tokens[p:], slice(0, p)) if wanted else None
         real = (tokens[:p] > 0).float()
         logps = torch.cat([_filled(logps[:p].detach(), real), _filled(logps[p:].detach(), real)])
@@ -122,7 +154,7 @@ class DirectPreference(Objective):
             "logps/chosen": logps[:p].detach(), "logps/rejected": logps[p:].detach(),
         }
         sums = {name: (value * real).sum() for name, value in figures.items()}
-        return {**sums, **({"loss": loss} if loss is not None else {}),
+        return {**sums, **({"loss": loss} if loss is not None else {}), "aux_loss": extras.get("aux_loss"),
                 "per_pair_loss": terms.loss.detach(), "chosen_tokens": tokens[:p] * real,
                 "chosen_logps": logps[:p].detach(), **{f"pair:{k}": v for k, v in figures.items()}}
 
