@@ -346,7 +346,8 @@ def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str,
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
-def main(argv: Sequence[str]) -> None:
+def parser() -> argparse.ArgumentParser:
+    """`runner certify`'s arguments (the docs' commands are parsed by it in the tests)."""
     parser = argparse.ArgumentParser(
         prog="runner certify",
         description="Certify architectures: each strategy at 2 processes against one process, with a resume "
@@ -368,7 +369,11 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--reshard", action="store_true",
                         help="resume each strategy's checkpoint of 2 processes on 1 process under ddp: a world-size "
                              "and strategy change, read across")
-    args = parser.parse_args(list(argv))
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = parser().parse_args(list(argv))
     model_types = args.model_types or list(ROWS)
     unknown = [m for m in model_types if m not in ROWS]
     precisions = [p for p in args.precision.split(",") if p]
