@@ -122,7 +122,9 @@ class HeadGradients:
         product does."""
         flat_g, flat_h = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
         if self.hidden is not None:
-            self.hidden[rows] = self._times_weight(g, weight)
+            # In the buffer's (the hidden states') dtype: a norm may hand the head fp32 hidden
+            # states under bf16 autocast (Llama's), and an indexed put does not cast.
+            self.hidden[rows] = self._times_weight(g, weight).to(self.hidden.dtype)
         if self.wants_weight:
             inputs = flat_h.to(flat_g.dtype)
             if self.weight is None:  # the first chunk: its product is the buffer

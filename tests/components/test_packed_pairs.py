@@ -105,3 +105,22 @@ def test_a_packed_micro_batch_trains_as_the_padded_one(head, loss_type, monkeypa
     for (name, mine), (_, other) in zip(packed_model.named_parameters(), padded_model.named_parameters()):
         torch.testing.assert_close(mine.grad, other.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert abs(ours.logged.item()) > 1e-3
+
+
+def test_packed_pairs_through_the_chunked_head_train_under_bf16_autocast():
+    """Llama's final norm hands the head fp32 hidden states while bf16 autocast makes the
+    logits' gradient bf16: the packed path's hidden-state gradient, put back by position,
+    must take the buffer's dtype (a DPO run with packed pairs, bf16 and Llama stopped with
+    'Index put requires the source and destination dtypes match'; found by runner certify
+    --joins). Its loss and gradients stay the padded batch's, to bf16's rounding."""
+    padded_model, packed_model = tiny_model("llama"), tiny_model("llama")
+    chunked, _ = install(packed_model)
+    rows = pairs(PAIRS, vocab=padded_model.config.vocab_size)
+    table = torch.randn(20, 2) * 0.3 - 20.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = scored(padded_model, None, "sigmoid", pad_pairs(rows, pad_id=0), table)
+        ours = scored(packed_model, chunked, "sigmoid", pack_pairs(rows, pad_id=0), table)
+    torch.testing.assert_close(ours.logged, theirs.logged, rtol=0, atol=2e-2)
+    norms = [torch.stack([p.grad.norm() for p in m.parameters() if p.grad is not None]).norm()
+             for m in (packed_model, padded_model)]
+    assert abs(norms[0] - norms[1]) <= 0.02 * norms[1]
