@@ -52,7 +52,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif argv[:1] == ["eval"]:
             _evaluate_run(argv[1:])
         elif argv[:1] == ["certify"]:
-            from runner.certify.matrix import main as certify_main
+            from runner.certify.command import main as certify_main
 
             certify_main(argv[1:])
         elif joined is not None and joined.rank != 0:

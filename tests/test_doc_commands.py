@@ -101,7 +101,7 @@ def test_commands_are_found_where_they_are_shown():
 def test_a_shown_command_runs(compose_spec, where, command):
     args = arguments(command)
     if args[:1] == ["certify"]:
-        from runner.certify.matrix import parser
+        from runner.certify.command import parser
 
         parser().parse_args(args[1:])
         return

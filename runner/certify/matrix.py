@@ -36,10 +36,10 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 from runner.certify import architectures
-from runner.certify.architectures import ROWS
+from runner.certify.architectures import DEFAULT_ROWS, ROWS
 from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.launch.launcher import launch_in_turn
@@ -204,24 +204,39 @@ def run_reference(model_dir: Path, precision: str, run_dir: Path, peft: str = "n
 
 def run_leg(cells: list[Cell], resume: bool) -> None:
     """One leg of every cell still to run, in as few launches as failures allow."""
-    queued: list[tuple[Cell, RunSpec, Path]] = []
-    for cell in cells:
-        spec = leg_spec(cell, resume)
+    run_in_turn([(cell, leg_spec(cell, resume), cell.run_dir) for cell in cells], STEPS if resume else CUT,
+                overwrite=not resume)
+
+
+class Judged(Protocol):
+    """What run_in_turn marks: a cell's verdict and why."""
+
+    verdict: str
+    detail: list[str]
+
+
+def run_in_turn(runs: Sequence[tuple[Judged, RunSpec, Path]], step: int, overwrite: bool = True) -> None:
+    """Each (cell, spec, run folder): claimed (a refusal marks its cell `refused`), then all
+    launched one after another on one set of workers (the specs share their launch
+    settings), in as few launches as failures allow: a failure marks its cell `failed`,
+    ends its launch, and the rest go on in a new one. `step`: where a run that finished ends."""
+    queued: list[tuple[Judged, RunSpec, Path]] = []
+    for cell, spec, run_dir in runs:
         try:
-            path = claim(spec, cell.run_dir, overwrite=not resume)
+            path = claim(spec, run_dir, overwrite=overwrite)
         except UserError as err:
             cell.verdict, cell.detail = "refused", list(err.problems)
             continue
         assert path is not None, "neither a dry run nor a finished run"
         queued.append((cell, spec, path))
-    step = STEPS if resume else CUT
+    folders = {id(spec): run_dir for _, spec, run_dir in runs}
     while queued:  # each failure ends a launch, and the next starts past it: at most one launch a cell
         try:
-            with launch_failures(queued[0][1], queued[0][0].run_dir):
+            with launch_failures(queued[0][1], folders[id(queued[0][1])]):
                 launch_in_turn(queued[0][1], [path for _, _, path in queued])
             return
         except RunFailed as err:  # a signal (SystemExit) stops certify itself
-            index = next((i for i, (c, _, _) in enumerate(queued) if not _finished(c.run_dir, step)), None)
+            index = next((i for i, (_, spec, _) in enumerate(queued) if not _finished(folders[id(spec)], step)), None)
             if index is None:  # every run had finished: the launch failed on its way out; judge them
                 sys.stderr.write(f"runner certify: the launch failed after its last run: {err}\n")
                 return
@@ -346,35 +361,9 @@ def render(rows: dict[str, list[Cell]], precisions: Sequence[str], command: str,
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
-def parser() -> argparse.ArgumentParser:
-    """`runner certify`'s arguments (the docs' commands are parsed by it in the tests)."""
-    parser = argparse.ArgumentParser(
-        prog="runner certify",
-        description="Certify architectures: each strategy at 2 processes against one process, with a resume "
-                    "and a from_pretrained check. Prints a row per architecture.")
-    parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
-                        help=f"transformers model types with a tiny config here, or a variant row (default: all of "
-                             f"{', '.join(ROWS)})")
-    parser.add_argument("--precision", default="fp32", help="fp32, bf16, or fp32,bf16 (default fp32)")
-    parser.add_argument("--work-dir", type=Path, default=Path("outputs/certify"),
-                        help="where the runs go (default outputs/certify); a run folder there is overwritten")
-    parser.add_argument("--out", type=Path, default=None, help="also write the matrix to this Markdown file")
-    parser.add_argument("--peft", default="none",
-                        help="lora or dora: train adapters on the frozen initial weights instead of every weight, "
-                             "and check adapter/ with peft; a list (none,lora) certifies each, in the same launches "
-                             "(default none)")
-    parser.add_argument("--objective", default="causal_lm", choices=tuple(OBJECTIVES),
-                        help="dpo: optimise DPO's loss on the vendored preference pairs instead of the next-token "
-                             "loss on text (default causal_lm)")
-    parser.add_argument("--reshard", action="store_true",
-                        help="resume each strategy's checkpoint of 2 processes on 1 process under ddp: a world-size "
-                             "and strategy change, read across")
-    return parser
-
-
-def main(argv: Sequence[str]) -> None:
-    args = parser().parse_args(list(argv))
-    model_types = args.model_types or list(ROWS)
+def main(args: argparse.Namespace) -> None:
+    """The architecture x strategy matrices (runner/certify/command.py parses the arguments)."""
+    model_types = args.model_types or list(DEFAULT_ROWS)
     unknown = [m for m in model_types if m not in ROWS]
     precisions = [p for p in args.precision.split(",") if p]
     pefts = [p for p in args.peft.split(",") if p]
@@ -391,9 +380,14 @@ def main(argv: Sequence[str]) -> None:
     shown += ["--peft", args.peft] if args.peft != "none" else []
     shown += ["--reshard"] if args.reshard else []
     command = " ".join(["runner certify", *args.model_types, *shown])
-    text = render(rows, precisions, command, pefts, args.reshard, args.objective)
+    publish(render(rows, precisions, command, pefts, args.reshard, args.objective), args.out,
+            all(c.verdict in (*TOLERATED, "refused") for cells in rows.values() for c in cells))
+
+
+def publish(text: str, out: Optional[Path], passed: bool) -> None:
+    """A certify table on stdout (and in `out`); exit 1 unless every cell `passed`."""
     sys.stdout.write("\n" + text)
-    if args.out:
-        args.out.write_text(text)
-    if any(c.verdict not in (*TOLERATED, "refused") for cells in rows.values() for c in cells):
+    if out:
+        out.write_text(text)
+    if not passed:
         raise SystemExit(1)

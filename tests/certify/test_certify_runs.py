@@ -146,3 +146,30 @@ def test_the_published_dpo_matrix_is_what_the_command_prints(tmp_path):
         for run in ("reference", "ddp", "zero2", "zero3", "fsdp"):  # scored once, before training, by each run
             assert (runs / arch / "fp32_dpo" / run / "reference_logps.pt").exists(), (arch, run)
             assert not (runs / arch / "fp32_dpo_lora" / run / "reference_logps.pt").exists(), (arch, run)
+
+
+@pytest.mark.timeout(2400)
+def test_the_published_joins_array_is_what_the_command_prints(tmp_path):
+    """Every pair of the features' values in one cell at least (objective, data, packing,
+    peft, reference, model, strategy, precision), each cell's three legs held to the
+    invariants that hold everywhere (runner/certify/joins.py), in three launches."""
+    out = tmp_path / "joins.md"
+    done = certify("--joins", "--work-dir", str(tmp_path / "runs"), "--out", str(out), timeout=2300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = assert_published(out, PAGE, "certify-joins", "runner certify --joins")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| #")]
+    assert len(rows) >= 12 and all(row.endswith(("| exact |", "| within bf16 tolerance |")) for row in rows)
+    assert "pairs no passing cell holds" not in text
+
+
+@pytest.mark.timeout(1800)
+def test_every_offline_recipe_runs_as_a_sweep_over_precision_and_strategy(tmp_path):
+    """The usage runner was made for, in full: each shipped offline recipe as
+    `runner -m recipe=<it> precision=fp32,bf16 strategy=ddp,zero2 train.max_steps=2`, every
+    job finishing with its summary; the connected ones composed and validated offline."""
+    out = tmp_path / "recipes.md"
+    done = certify("--recipes", "--work-dir", str(tmp_path / "runs"), "--out", str(out), timeout=1700)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = assert_published(out, PAGE, "certify-recipes", "runner certify --recipes")
+    for recipe in ("gpt2_clm_tiny", "gpt2_sft_tiny", "gpt2_dpo_tiny", "gpt2_mix_tiny"):
+        assert f"| {recipe} | finished | finished | finished | finished |" in text, recipe

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
+from test_router_loss import VOCAB, mixtral
 
 from runner.components.chunked_loss import install
 from runner.components.labels import IGNORE_INDEX
@@ -29,8 +29,8 @@ from runner.distributed.strategies import build_strategy
 from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.trainer import Trainer
 
-VOCAB = 128
 PAIRS = 4
+LAST: dict = {}  # the last one_step's loop state
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +38,6 @@ def _fresh_state():
     reset_accelerate_state()
     yield
     reset_accelerate_state()
-
-
-def mixtral(coefficient: float) -> MixtralForCausalLM:
-    torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32,
-        router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=coefficient))
 
 
 class Fixed(Reference):
@@ -89,6 +81,7 @@ def one_step(tmp_path: Path, coefficient: float, per_micro_batch: int, chunked: 
     opened = objective.open_window(window, torch.device("cpu"), all_ranks=False)
     for i, batch in enumerate(opened.batches):
         assert trainer.train_step(batch) == (i == accum - 1)
+    LAST["state"] = trainer.state
     return float(trainer.state.loss_sum / trainer.state.loss_count), float(trainer.grad_norm)
 
 
@@ -126,3 +119,16 @@ def test_the_step_is_the_pair_mean_plus_the_mean_router_loss(tmp_path, chunked, 
     expected_loss, expected_norm = oracle(0.5, per_micro_batch)
     assert loss == pytest.approx(expected_loss, abs=1e-5)
     assert norm == pytest.approx(expected_norm, rel=1e-5)
+
+
+def test_the_step_logs_its_mean_router_loss_as_trl_does(tmp_path):
+    """aux_loss: the mean of the micro-batches' router losses (TRL's name); the loss holds it
+    times the coefficient beside the pairs' mean."""
+    loss, _ = one_step(tmp_path, 0.5, 2, False)
+    # the router loss alone, by hand: each micro-batch's forward over its pairs
+    model = mixtral(0.5)
+    rows = pair_rows()
+    auxes = [model(**{k: v for k, v in pad_pairs(rows[i:i + 2], 0).items() if k in ("input_ids", "attention_mask")})
+             .aux_loss.item() for i in (0, 2)]
+    state = LAST["state"]
+    assert float(state.metric_sums["aux_loss"] / state.loss_count) == pytest.approx(sum(auxes) / 2, rel=1e-5)

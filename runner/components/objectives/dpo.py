@@ -18,8 +18,9 @@ token-weighted the same way, over the step's chosen answer tokens. What the loop
 A mixture of experts with `output_router_logits` adds its router (load-balancing) loss
 x its coefficient, as TRL's DPOTrainer does: once a micro-batch (one forward over its
 2P sequences), a mean over the step's micro-batches that hold a real pair on all ranks,
-as the causal-LM objective weights it (token_weighting.py). Evaluation's figures are the
-pairs' alone, as eval_loss is the cross-entropy's alone for the causal LM.
+as the causal-LM objective weights it (token_weighting.py); the loop logs that mean as
+`aux_loss` (TRL's name), the loss holding it times the coefficient. Evaluation's figures
+are the pairs' alone, as eval_loss is the cross-entropy's alone for the causal LM.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class DirectPreference(Objective):
         # log averages over ranks and the window's micro-batches.
         undo, logged_by = self.processes * self.grad_accum_steps, self.processes * micro
         total = scored["loss"]
-        if self.router_coefficient is not None and scored.get("aux_loss") is not None:
-            total = total + self.router_coefficient * scored["aux_loss"].to(total.device) * router_share
         metrics = {name: scored[name].detach() / pairs.clamp(min=1) * logged_by for name in PAIR_FIGURES}
+        if self.router_coefficient is not None and scored.get("aux_loss") is not None:
+            router = scored["aux_loss"].to(total.device) * router_share
+            total = total + self.router_coefficient * router
+            metrics["aux_loss"] = router.detach() * logged_by  # the step's mean router loss, as TRL logs it
         return MicroBatchLoss(total * undo, total * logged_by, metrics)
 
     def _score(self, model: Any, batch: Batch, split: str,
