@@ -64,6 +64,14 @@ def save_model(folder: Path, arch: str) -> Path:
     if arch == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    elif arch == "mixtral":  # a mixture of experts with its router loss on, at a coefficient that moves the step
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+            router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=0.5,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
     else:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,8 +142,10 @@ def the_pairs(tmp_path: Path) -> tuple[Path, Path]:
     return train, validation
 
 
-@pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid")])
+@pytest.mark.parametrize("arch, loss_type", [("gpt2", "sigmoid"), ("llama", "sigmoid"), ("mixtral", "sigmoid")])
 def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
+    """mixtral: TRL adds router_aux_loss_coef x aux_loss of each forward, and so does runner
+    (its loss, gradient and the logged aux_loss; issue 61, 4)."""
     from trl import DPOConfig, DPOTrainer
 
     saved_model = save_model(tmp_path / f"tiny_{arch}", arch)
@@ -144,7 +154,7 @@ def test_every_step_equals_trls_dpo_trainer(tmp_path, arch, loss_type):
     order = runner_order(BATCH * STEPS, SEED)
     theirs = trl_steps(trl_trainer(tmp_path / "trl", saved_model, train, order, DPOTrainer, DPOConfig,
                                    loss_type=[loss_type], beta=0.1, max_length=None))
-    assert_every_step_equal(ours, theirs, FIGURES[1:])
+    assert_every_step_equal(ours, theirs, FIGURES[1:] + (("aux_loss",) if arch == "mixtral" else ()))
 
 
 def test_simpo_every_step_equals_trls_cpo_trainer(tmp_path):
