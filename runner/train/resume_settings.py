@@ -35,7 +35,7 @@ MATH = frozenset({
     "train.seed", "train.objective",
     # preference data and its loss: other pairs, another loss, another reference
     "data.chosen_field", "data.rejected_field", "preference.loss_type", "preference.beta",
-    "preference.label_smoothing", "preference.gamma", "preference.reference",
+    "preference.label_smoothing", "preference.gamma", "preference.reference", "preference.disable_dropout",
     "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how
     # DeepSpeed lays out the optimizer state it saves and loads.

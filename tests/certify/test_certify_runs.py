@@ -165,8 +165,9 @@ def test_the_published_joins_array_is_what_the_command_prints(tmp_path):
 @pytest.mark.timeout(1800)
 def test_every_offline_recipe_runs_as_a_sweep_over_precision_and_strategy(tmp_path):
     """The usage runner was made for, in full: each shipped offline recipe as
-    `runner -m recipe=<it> precision=fp32,bf16 strategy=ddp,zero2 train.max_steps=2`, every
-    job finishing with its summary; the connected ones composed and validated offline."""
+    `runner -m recipe=<it> precision=fp32,bf16 strategy=ddp,zero2 train.max_steps=2
+    data.max_eval_samples=32`, every job finishing with its summary; the connected ones
+    composed and validated offline."""
     out = tmp_path / "recipes.md"
     done = certify("--recipes", "--work-dir", str(tmp_path / "runs"), "--out", str(out), timeout=1700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
