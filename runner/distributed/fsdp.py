@@ -106,10 +106,13 @@ def engagement_problems(accelerator: "Accelerator", model: Any, strategy: Strate
         resharding = group.post_forward_mesh_info is not None  # None: parameters stay gathered after forward
         if resharding != strategy.reshard_after_forward:
             problems.append(f"reshard_after_forward is {resharding}, expected {strategy.reshard_after_forward}")
-        policy = group.mp_policy
-        if policy.param_dtype != wanted_dtype or (wanted_dtype is not None and policy.reduce_dtype != torch.float32):
-            problems.append(f"mixed precision policy is {policy}, expected parameters in {wanted_dtype} and "
-                            "gradients reduced in fp32")
+        # Each parameter's resolved policy: torch 2.15 keeps it per parameter only (FSDPParam's,
+        # which 2.13 has as well), no longer on the group.
+        for policy in {fsdp_param.mp_policy for fsdp_param in group.fsdp_params}:
+            if policy.param_dtype != wanted_dtype or (wanted_dtype is not None and policy.reduce_dtype != torch.float32):
+                problems.append(f"mixed precision policy is {policy}, expected parameters in {wanted_dtype} and "
+                                "gradients reduced in fp32")
+                break
         offloaded = isinstance(group.offload_policy, CPUOffloadPolicy)
         if offloaded != (strategy.offload_params is OffloadDevice.cpu):
             problems.append(f"CPU offload is {offloaded}, expected strategy.offload_params={strategy.offload_params.value}")
