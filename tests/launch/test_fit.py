@@ -229,11 +229,17 @@ def test_a_mixture_of_experts_with_the_chunked_loss_is_planned(compose_spec, cap
 def test_a_trace_that_fails_is_one_note_without_torchs_traceback(compose_spec, capfd, monkeypatch):
     """Fake tensors log a failing operator's traceback before raising it: the fit check's
     one-line note is all the user sees."""
-    import contextlib
+    import torch
 
     from runner.components import step_trace
 
-    monkeypatch.setattr(step_trace, "grouped_experts_traceable", contextlib.nullcontext)  # experts untraceable
+    settings = step_trace.apply_model_settings
+
+    def with_a_failing_operator(spec, model):  # an operator whose fake kernel fails, on any torch
+        settings(spec, model)
+        model.register_forward_pre_hook(lambda module, args: torch.mm(torch.empty(2, 3), torch.empty(4, 5)))
+
+    monkeypatch.setattr(step_trace, "apply_model_settings", with_a_failing_operator)
     monkeypatch.setattr(fit, "_TRACED", {})  # an earlier test's trace of this model would be kept (_traced)
     planner = moe_planner(compose_spec)
     fit.check_fit(planner.spec, planner, fit.Budget(2.0**40, "1 x test", True))
