@@ -18,14 +18,14 @@ def library_lines() -> list[str]:
     """Each key library's installed version beside the lock's (runner/constraints.txt), and
     how to install the verified set where they differ."""
     lock = locked_versions()
+    differing = {name for name, _, _ in differences()}
     lines = []
     for name in KEY_LIBRARIES:
-        have, want = installed(name), lock.get(canonical(name))
-        mark = "" if want is None or (have or "").split("+")[0] == want else "   <- differs"
-        lines.append(f"- {name}: {have or 'not installed'} (locked {want or '-'}){mark}")
+        mark = "   <- differs" if name in differing else ""
+        lines.append(f"- {name}: {installed(name) or 'not installed'} (locked {lock.get(canonical(name)) or '-'}){mark}")
     if not lock:
         lines.append(f"- verified set: no lock at {LOCK_FILE}")
-    elif differing := differences():
+    elif differing:
         lines.append(f"- verified set: {len(differing)} of {len(KEY_LIBRARIES)} differ from the lock; "
                      f"to install it: {install_hint()}")
     else:
