@@ -431,22 +431,24 @@ CHATML_EOS = ("{%- for message in messages %}"
 
 
 @pytest.mark.parametrize("turns", [1, 2])
-def test_a_template_that_closes_a_turn_with_the_eos_and_a_newline_gets_no_second_eos(tokenizer, turns):
+@pytest.mark.parametrize("which", ["tokenizer", "metaspace"])  # GPT-2's byte-level BPE; a SentencePiece-style one
+def test_a_template_that_closes_a_turn_with_the_eos_and_a_newline_gets_no_second_eos(request, which, turns):
     """ChatML-style templates (Qwen's: <|im_end|> is its EOS) end an answer with the EOS and
     a newline; the example ends there, not with a second, trained EOS after the newline
     (issue 61, 11)."""
     from runner.components.instruct import chat_example
 
+    tokenizer = request.getfixturevalue(which)
     messages = []
     for turn in range(turns):
         messages += [{"role": "user", "content": f"Question {turn}?"}, {"role": "assistant", "content": f"Answer {turn}."}]
     example = chat_example(tokenizer, messages, CHATML_EOS)
     eos = tokenizer.eos_token_id
     assert example.input_ids.count(eos) == turns  # one a turn, the template's own
-    assert tokenizer.decode(example.input_ids).endswith("Answer %d.<|endoftext|>\n" % (turns - 1))
+    assert tokenizer.decode(example.input_ids).endswith(f"Answer {turns - 1}.{tokenizer.eos_token}\n")
     last = len(example.input_ids) - 1 - example.input_ids[::-1].index(eos)
     assert example.labels[last] == eos  # the answer's EOS is trained
     # A template that writes no EOS still gets one, trained, after the answer.
     plain = chat_example(tokenizer, messages, CHATML_EOS.replace("eos_token + ", "'<|im_end|>' + "))
-    assert tokenizer.decode(plain.input_ids).endswith("<|im_end|>\n<|endoftext|>")
+    assert tokenizer.decode(plain.input_ids).endswith(f"<|im_end|>\n{tokenizer.eos_token}")
     assert plain.input_ids[-1] == eos and plain.labels[-1] == eos
