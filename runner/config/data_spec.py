@@ -19,6 +19,7 @@ class DataFormat(str, enum.Enum):
     prompt_completion = "prompt_completion"  # two fields per record; loss on the completion
     chat = "chat"  # a list of {role, content} messages; loss on the assistant turns
     preference = "preference"  # a prompt, a chosen and a rejected answer (train.objective=dpo)
+    prompts = "prompts"  # a prompt (text or messages) and the columns its rewards read (train.objective=grpo)
 
 
 class TooLong(str, enum.Enum):

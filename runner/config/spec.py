@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 # Re-exported: the package imports every section and enum of the schema from here.
 from runner.config.data_spec import DataFormat, DataSpec, MixtureSource, MixtureStop, TooLong  # noqa: F401
 from runner.config.preference_spec import PreferenceLoss, PreferenceSpec, ReferenceMode  # noqa: F401
+from runner.config.rl_spec import RLSpec, RewardSpec  # noqa: F401
 
 SPEC_FILENAME = "run_spec.yaml"
 
@@ -85,6 +86,7 @@ class PeftKind(str, enum.Enum):
 class ObjectiveKind(str, enum.Enum):
     causal_lm = "causal_lm"  # next-token cross-entropy over the trained tokens
     dpo = "dpo"  # preference optimisation on chosen/rejected pairs (PreferenceSpec's loss_type)
+    grpo = "grpo"  # online RL: sampled completions scored by rewards, group-relative advantages (RLSpec)
 
 
 class AttnImplementation(str, enum.Enum):
@@ -367,6 +369,7 @@ class RunSpec:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     preference: PreferenceSpec = field(default_factory=PreferenceSpec)
+    rl: RLSpec = field(default_factory=RLSpec)
     launch: LaunchSpec = field(default_factory=LaunchSpec)
     strategy: StrategySpec = field(default_factory=StrategySpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)

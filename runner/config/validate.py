@@ -14,6 +14,7 @@ import re
 from dataclasses import replace
 from typing import Callable, Optional
 
+from runner.config.rl_checks import check_rl
 from runner.config.batch import accumulation_for
 from runner.config.mixture import SINGLE_SOURCE, row_format, source_names, source_specs
 from runner.config.spec import (DataFormat, DataSpec, ObjectiveKind, PeftKind, PreferenceLoss, PreferenceSpec,
@@ -391,6 +392,7 @@ def spec_problems(spec: RunSpec, world_size: Optional[int] = 1) -> list[str]:
     launch.* is invalid, so the world size (and the batch arithmetic at it) is unknown."""
     problems: list[str] = accumulation_for(spec.train, world_size)[1] if world_size is not None else []
     problems += check_fsdp_world_size(spec, world_size)
+    problems += check_rl(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     return problems

@@ -18,6 +18,7 @@ import torch
 from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.data import PreparedData, prepare, resolve_block_size
 from runner.components.data_checks import check_data_files as check_files
+from runner.components.prompt_data import prepare_prompts
 from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
 from runner.components.model import (
     build_config,
@@ -31,7 +32,7 @@ from runner.components.model import (
     tokenizer_source,
 )
 from runner.config.errors import UserError
-from runner.config.spec import PrecisionKind, RunSpec, StrategyKind
+from runner.config.spec import DataFormat, PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
 from runner.report.benchmarks import check as check_benchmarks
 from runner.distributed.strategy import MIXED_PRECISION
@@ -280,7 +281,29 @@ def prepare_data(spec: RunSpec, world_size: int = 1) -> PreparedData | StreamedD
             raise UserError(err.line) from None
         check_stream_step(spec, world_size, streamed, tokenizer)
         return streamed
+    if spec.data.format is DataFormat.prompts:
+        prompts = prepare_prompts(spec.data, tokenizer, block_size)
+        check_prompt_lengths(spec, prompts, tokenizer)
+        return prompts
     return prepare(spec.data, tokenizer, block_size)
+
+
+def check_prompt_lengths(spec: RunSpec, data: PreparedData, tokenizer: Any) -> None:
+    """train.objective=grpo: the rewards build (a regex compiles, a function is there), and
+    the longest prompt + rl.max_completion_length fits the model's positions."""
+    from runner.components.rewards import build_rewards
+    from runner.components.rollouts import prompt_tokens
+
+    build_rewards(spec.rl.rewards, spec.rl.max_completion_length)  # a BadReward is a UserError: one line
+    positions = max_positions(build_config(spec.model))
+    if positions is None:
+        return
+    longest = max(len(prompt_tokens(tokenizer, row[spec.data.prompt_field]))
+                  for split in (data.train, data.validation) for row in split)
+    if longest + spec.rl.max_completion_length > positions:
+        raise UserError(f"the longest prompt ({longest} tokens) + rl.max_completion_length="
+                        f"{spec.rl.max_completion_length} is longer than the model's {positions} positions: lower "
+                        f"rl.max_completion_length to {max(positions - longest, 0)} or less, or shorten the prompts.")
 
 
 def check_stream_step(spec: RunSpec, world_size: int, streamed: StreamedData, tokenizer: Any = None) -> None:

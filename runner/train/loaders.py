@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from runner.components.data import PreparedData, collate, collate_for
 from runner.components.data import prepare as prepare_data
+from runner.components.prompt_data import prepare_prompts
 from runner.components.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
 from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.config.batch import eval_batch_size
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
-from runner.config.spec import RunSpec
+from runner.config.spec import DataFormat, RunSpec
 from runner.train.rng import loader_generator
 
 log = logging.getLogger("runner")
@@ -47,6 +48,8 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
             log.info(f"data: {streamed.source}; {len(streamed.validation)} eval blocks read in {streamed.seconds:.1f}s")
         return streamed
     # Tokenize once per machine (its local rank 0); the other ranks then read the cache.
+    if spec.data.format is DataFormat.prompts:  # online RL: the records as they are
+        return prepare_prompts(spec.data, tokenizer, block_size)
     with accelerator.local_main_process_first():
         data = prepare_data(spec.data, tokenizer, block_size)
     if accelerator.is_main_process:
@@ -123,3 +126,40 @@ def data_record(spec: RunSpec, data: PreparedData | StreamedData) -> dict[str, A
     if isinstance(data, StreamedData):
         return {"data_files": training_files(spec.data)}
     return {"data_key": data.cache_path.name}
+
+
+class Slots(Dataset):
+    """train.objective=grpo's training rows: the places of an epoch's completions in the
+    run's stream (runner/components/rollouts.py), in order; Accelerate shards them as it
+    shards any batches, so a step's B places are the same in every layout."""
+
+    def __init__(self, per_epoch: int) -> None:
+        self.per_epoch, self.epoch = per_epoch, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.per_epoch
+
+    def __getitem__(self, index: int) -> int:
+        return self.epoch * self.per_epoch + index
+
+
+def _slots(places: list[int]) -> dict[str, torch.Tensor]:
+    return {"slot": torch.tensor(places, dtype=torch.long)}
+
+
+def _prompt_indices(indices: list[int]) -> dict[str, torch.Tensor]:
+    return {"prompt": torch.tensor(indices, dtype=torch.long)}
+
+
+def prompt_loaders(spec: RunSpec, slots_per_epoch: int, evaluation_prompts: int) -> Loaders:
+    """train.objective=grpo: the slots loader and the evaluation prompts' (their indices)."""
+    t = spec.train
+    slots = Slots(slots_per_epoch)
+    train = DataLoader(slots, batch_size=t.per_device_batch_size, shuffle=False, collate_fn=_slots,
+                       num_workers=t.dataloader_num_workers)
+    evaluation = DataLoader(range(evaluation_prompts), batch_size=eval_batch_size(t), shuffle=False,  # type: ignore[arg-type]
+                            collate_fn=_prompt_indices, num_workers=t.dataloader_num_workers)
+    return Loaders(train, evaluation, slots)  # type: ignore[arg-type]

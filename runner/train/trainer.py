@@ -205,7 +205,10 @@ class Trainer:
         self._read_verdict()  # never save weights a non-finite step touched
         meta = checkpoint_meta(self.state, self.plan, self.accelerator, self.data.counts_real_tokens)
         meta.update(self.data.record)
-        rank_state = {"data": self.train_loader.state_dict()} if self.stream else None
+        rank_state: Optional[dict[str, Any]] = {"data": self.train_loader.state_dict()} if self.stream else None
+        objective_state = self.objective.state_dict()  # the same on every rank: rank 0's file holds it
+        if objective_state and self.accelerator.is_main_process:
+            rank_state = {**(rank_state or {}), "objective": objective_state}
         self.last_checkpoint = save_checkpoint(
             self.accelerator, self.run_dir, self.state.step, self.settings.keep_checkpoints, meta,
             spec_yaml=self.settings.spec_yaml,
@@ -218,6 +221,8 @@ class Trainer:
         if self.stream:  # the stream's own position, through its loader's load_state_dict
             assert checkpoint is not None, "a stream resumes from its checkpoint's per-rank data state"
             self.train_loader.load_state_dict(load_rank_state(checkpoint, self.accelerator.process_index)["data"])
+        if checkpoint is not None and self.objective.state_dict():  # an objective with state: rank 0 saved it
+            self.objective.load_state_dict(load_rank_state(checkpoint, 0).get("objective", {}))
         restore_loop_state(self.state, meta, self.plan, self.accelerator, self.data.counts_real_tokens,
                            self.batches.samples_per_batch)
         if checkpoint is not None and checkpoint.resolve() == self._checkpoint_path().resolve():

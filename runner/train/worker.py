@@ -78,6 +78,7 @@ from runner.train.ledger import Ledger, resumed
 from runner.train.loaders import Loaders, data_record, load_data, make_loaders
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.restore import restore_random_state
+from runner.train.rl_setup import completions_writer, rl_reference, rollout_parts
 from runner.train.signals import EXIT_CODES, Stopped
 from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.trainer import NoStepInPass, NonFiniteLoss, Trainer
@@ -143,7 +144,12 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(built.config), built.tokenizer.model_max_length)
     data = load_data(spec, accelerator, built.tokenizer, block_size)  # 4
-    loaders = make_loaders(spec, data, accelerator.num_processes)
+    grpo = spec.train.objective is ObjectiveKind.grpo
+    rollouts = None
+    if grpo:  # online RL: the loader hands out slots of the rollouts' stream (runner/train/rl_setup.py)
+        loaders, rollouts = rollout_parts(spec, accelerator, built.tokenizer, data)
+    else:
+        loaders = make_loaders(spec, data, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, optimizer_in_use = prepare_for_training(  # 5
         spec, strategy, accelerator, built.model, loaders)
     if spec.data.packing:  # on the prepared model, every rank: a sharded forward is collective
@@ -155,7 +161,7 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     plan = plan_run(
         spec, accelerator.num_processes,
         batches_per_rank=0 if streamed else len(train_loader), block_size=block_size,
-        train_blocks=0 if streamed else len(data.train), eval_blocks=len(data.validation),
+        train_blocks=0 if streamed else (len(loaders.sampler) if grpo else len(data.train)), eval_blocks=len(data.validation),
         parameters=count_parameters(unwrap(accelerator, model)),
         trainable_parameters=count_trainable_parameters(unwrap(accelerator, model)),
         precision=f"{spec.precision.kind.value} (Accelerate mixed_precision={accelerator.mixed_precision})",
@@ -167,11 +173,15 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     frozen = partial(frozen_reference, spec, strategy, accelerator, built.chunked is not None)  # its own copy
     reference = None if streamed else build_reference(spec, model, unwrap(accelerator, model), accelerator, data, run_dir,
                                                       built.chunked, frozen)
-    if reference is not None and reference.scored:
+    if grpo:
+        reference = rl_reference(spec, frozen)
+    elif reference is not None and reference.scored:
         ledger.add("reference", time.time() - started)
     trainer = make_trainer(spec, strategy, accelerator, model, optimizer, train_loader, eval_loader,  # 6
                            loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
-                           data_record(spec, data), ledger, reference)
+                           data_record(spec, data), ledger, reference, rollouts)
+    if rollouts is not None and accelerator.is_main_process:
+        trainer.objective.on_generation = completions_writer(run_dir, rollouts, rollouts.layout)  # type: ignore[attr-defined]
     recorded = restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
@@ -202,7 +212,8 @@ def build_seeded_model(spec: RunSpec) -> Built:
     tokenizer, config, model = starting_model(spec.model, spec.train.seed)
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
-    if spec.train.objective is ObjectiveKind.dpo and spec.preference.disable_dropout:
+    if (spec.train.objective is ObjectiveKind.dpo and spec.preference.disable_dropout) or (
+            spec.train.objective is ObjectiveKind.grpo and spec.rl.disable_dropout):
         disable_dropout(model)  # TRL's default: the policy's, the adapters' included
     objective = objective_class(spec.train.objective)
     chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss
@@ -254,7 +265,7 @@ def prepare_for_training(spec: RunSpec, strategy: Strategy, accelerator: Acceler
 def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, model: Any, optimizer: Any,
                  train_loader: Any, eval_loader: Any, sampler: EpochSampler | BlockStream, plan: RunPlan, built: Built,
                  block_size: int, run_dir: Path, optimizer_in_use: str, data_record: dict[str, Any],
-                 ledger: Ledger, reference: Any = None) -> Trainer:
+                 ledger: Ledger, reference: Any = None, rollouts: Any = None) -> Trainer:
     t, config = spec.train, built.config
     scheduler = build_scheduler(spec.schedule, optimizer, plan.total_steps)
     if accelerator.is_main_process:
@@ -271,7 +282,7 @@ def make_trainer(spec: RunSpec, strategy: Strategy, accelerator: Accelerator, mo
         log.warning(f"MFU: unknown ({torch.cuda.get_device_name(accelerator.device)} is not in runner/report/flops.py's peak table)")
     objective = build_objective(spec.train.objective, ObjectiveSetup(
         accelerator.unwrap_model(model), accelerator.num_processes, plan.grad_accum_steps, built.chunked,
-        spec.model.compile, preference=spec.preference, reference=reference))
+        spec.model.compile, preference=spec.preference, reference=reference, rollouts=rollouts))
     return Trainer(
         Engine(accelerator, model, optimizer, scheduler, strategy),
         TrainData(train_loader, eval_loader, sampler, stream=isinstance(sampler, BlockStream), record=data_record,

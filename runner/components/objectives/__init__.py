@@ -11,12 +11,14 @@ from __future__ import annotations
 from runner.components.objectives.base import Objective, ObjectiveSetup
 from runner.components.objectives.causal_lm import CausalLM
 from runner.components.objectives.dpo import DirectPreference
+from runner.components.objectives.grpo import GroupRelative
 from runner.config.spec import ObjectiveKind
 
 # One line an objective: its spec value and its class, built from the run's ObjectiveSetup.
 OBJECTIVES: dict[ObjectiveKind, type[Objective]] = {
     ObjectiveKind.causal_lm: CausalLM,
     ObjectiveKind.dpo: DirectPreference,
+    ObjectiveKind.grpo: GroupRelative,
 }
 
 

@@ -12,6 +12,7 @@ from `train.objective` (runner/components/objectives/__init__.py) and asked:
   that did not come through `open_window` (a stream's) is a mean of its own;
 - `eval_rows` / `eval_figures`: per-row figures of an evaluation batch, which the loop
   gathers over ranks and concatenates; then the reported figures from all rows;
+- `state_dict` / `load_state_dict`: what it holds between steps, saved with checkpoints;
 - `figures`, `describe`: the names of what evaluation reports (metrics.jsonl's eval
   lines), and the log line; `summarised`: those of them a sweep's summary shows.
 """
@@ -104,6 +105,14 @@ class Objective(abc.ABC):
         """The log line's account of an evaluation."""
         return ", ".join(f"{name} {figures[name]:.4f}" for name in self.figures)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the objective holds between steps that a checkpoint must keep (online RL's
+        generation batch, trained over several steps); the same on every rank. {}: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back `state_dict`'s state from a checkpoint."""
+
 
 @dataclass(frozen=True)
 class ObjectiveSetup:
@@ -115,4 +124,5 @@ class ObjectiveSetup:
     chunked: Any = None  # the chunked head and loss installed on the model (model.chunked_loss), or None
     compiled: bool = False  # model.compile: the layers are compiled
     preference: Any = None  # train.objective=dpo: the run's PreferenceSpec
-    reference: Any = None  # train.objective=dpo: where the reference's log-probs come from (reference.py)
+    reference: Any = None  # train.objective=dpo: where the reference's log-probs come from (reference.py); grpo: a frozen model or "adapter_off"
+    rollouts: Any = None  # train.objective=grpo: what samples and scores the generation batches (runner/components/rollouts.py)
