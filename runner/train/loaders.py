@@ -158,8 +158,11 @@ def prompt_loaders(spec: RunSpec, slots_per_epoch: int, evaluation_prompts: int)
     """train.objective=grpo: the slots loader and the evaluation prompts' (their indices)."""
     t = spec.train
     slots = Slots(slots_per_epoch)
+    # A loader without its own generator seeds each iterator from the global one, the
+    # stream dropout draws from: an epoch's start (or a resume's) would move dropout's masks.
     train = DataLoader(slots, batch_size=t.per_device_batch_size, shuffle=False, collate_fn=_slots,
-                       num_workers=t.dataloader_num_workers)
+                       num_workers=t.dataloader_num_workers, generator=loader_generator(t.seed))
     evaluation = DataLoader(range(evaluation_prompts), batch_size=eval_batch_size(t), shuffle=False,  # type: ignore[arg-type]
-                            collate_fn=_prompt_indices, num_workers=t.dataloader_num_workers)
+                            collate_fn=_prompt_indices, num_workers=t.dataloader_num_workers,
+                            generator=loader_generator(t.seed))
     return Loaders(train, evaluation, slots)  # type: ignore[arg-type]

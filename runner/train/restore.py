@@ -23,6 +23,7 @@ from runner.train.checkpoint import latest_checkpoint, load_checkpoint, read_mar
 from runner.train.ledger import restart_count
 from runner.train.plan import RunPlan
 from runner.train.reshard import load_across, needs_reshard
+from runner.train.rl_setup import COMPLETIONS_FILENAME
 from runner.train.resume import Recorded, recorded_at_end, resolve
 from runner.train.rng import seed_training_stream
 from runner.train.trainer import Trainer
@@ -61,6 +62,7 @@ def restore_random_state(spec: RunSpec, accelerator: Accelerator, trainer: Train
         # checkpoint. metrics.jsonl then holds each step once.
         truncate_metrics(run_dir / "metrics.jsonl", trainer.state.step,
                          final_eval_again=trainer.state.step >= trainer.plan.total_steps and recorded.evaluation is None)
+        truncate_metrics(run_dir / COMPLETIONS_FILENAME, trainer.state.step)  # online RL's samples, by the same steps
     return recorded
 
 

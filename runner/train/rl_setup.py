@@ -43,14 +43,15 @@ def rl_reference(spec: RunSpec, frozen: Callable[[], Any]) -> Any:
 
 def completions_writer(run_dir: Path, source: RolloutSource, layout: StreamLayout) -> Callable[[Rollouts], None]:
     """Rank 0 appends each generation batch's prompts, completions and rewards to
-    completions.jsonl, the samples people want to read."""
+    completions.jsonl, the samples people want to read, each under the first step that
+    trains it (metrics.jsonl's step numbers: a resume cuts both back to its step)."""
     path = run_dir / COMPLETIONS_FILENAME
     g = source.settings.num_generations
 
     def write(buffer: Rollouts) -> None:
         texts = source.tokenizer.batch_decode([row[: int(n)].tolist() for row, n in zip(buffer.completion_ids, buffer.lengths)],
                                               skip_special_tokens=True)
-        step = buffer.generation * layout.steps_per_generation * layout.iterations
+        step = buffer.generation * layout.steps_per_generation * layout.iterations + 1  # the first step it trains
         with path.open("a") as out:
             for c, text in enumerate(texts):
                 record = source.prompts.records[buffer.prompt_ids[c // g]]
