@@ -82,12 +82,19 @@ BF16_LAYOUT = Tolerance(BF16_LOSS_ATOL, BF16_GRAD_NORM_RTOL,
 # weights, is off by more than 1.
 LOGITS_ATOL = {"fp32": 1e-4, "bf16": 0.15}
 TOLERATED = ("exact", "within bf16 tolerance")  # the verdicts that pass
+# GRPO's prompts: 7 seeded sums, 2 a step (8 completions, 4 a prompt), so an epoch ends
+# mid-step (step 4), and each generation trains 2 steps: the first leg's checkpoint (step
+# 7) sits mid-generation, and the resume trains on the generation batch it saved.
+GRPO = ("objective=grpo", "data=arith", "data.max_train_samples=7", "data.max_eval_samples=4",
+        "rl.num_generations=4", "rl.max_completion_length=8", "rl.steps_per_generation=2",
+        "rl.rewards=[{kind:exact_match,column:answer,extract:last_number},{kind:contains,text:'1',name:has_one,weight:0.5}]")
 # --objective: what each one adds to every run. DPO's pairs: 34 of them at 8 a step make
 # the text rows' 5 steps an epoch, the last of 2 pairs; each pair's prompt is cut from its
 # start to fit the 32-token blocks (data.too_long=truncate).
 OBJECTIVES: dict[str, tuple[str, ...]] = {
     "causal_lm": (),
     "dpo": ("objective=dpo", "data=austen_pref", "data.too_long=truncate"),
+    "grpo": GRPO,
 }
 # Each objective's logged figures held to the loss's allowance at every step, beside it.
 # (rewards/accuracies is left out: at step 1 every reward is 0 up to the rounding of a
@@ -95,6 +102,7 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
 FIGURES: dict[str, tuple[str, ...]] = {
     "causal_lm": (),
     "dpo": ("rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"),
+    "grpo": ("reward", "reward_std", "entropy", "clip_ratio/region_mean"),
 }
 
 

@@ -11,7 +11,7 @@ prompt_length - 1 + t.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -48,10 +48,13 @@ def completion_rows(prompts: Sequence[Sequence[int]], completion_ids: torch.Tens
     return CompletionRows(ids, attention, starts, completion_ids.long(), mask)
 
 
-def completion_logps(model: Any, rows: CompletionRows, temperature: float,
-                     entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(per-token log-probs [b, L], entropies [b, L] or None) of the completions under `model`."""
+def completion_logps(model: Any, rows: CompletionRows, temperature: float, entropy: bool = True,
+                     extras: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-token log-probs [b, L], entropies [b, L] or None) of the completions under `model`;
+    `extras` receives the forward's router loss (`aux_loss`) of a mixture of experts that returns one."""
     outputs = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, use_cache=False)
+    if extras is not None:
+        extras["aux_loss"] = getattr(outputs, "aux_loss", None)
     b, length = rows.completion_ids.shape
     where = (rows.starts[:, None] - 1 + torch.arange(length, device=rows.starts.device)[None, :])
     where = where.clamp(max=rows.input_ids.shape[1] - 1)

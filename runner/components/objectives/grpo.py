@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from runner.components.chunked_loss import transformers_model
+from runner.components.objectives.dpo import router_coefficient
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.completion_scores import CompletionRows, completion_logps, completion_rows
 from runner.components.objectives.rl_loss import (figure_sums, group_advantages, loss_share, policy_terms, reward_figures,
@@ -47,6 +49,7 @@ class GroupRelative(Objective):
         self.layout = self.source.layout
         self.reference = setup.reference  # beta > 0: scores the reference's log-probs at generation
         self.buffer: Optional[Rollouts] = None
+        self.router_coefficient = router_coefficient(transformers_model(setup.model))
         self.on_generation: Any = None  # called with each new generation batch (completions.jsonl)
         self.pad_id = self.source.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -134,7 +137,8 @@ class GroupRelative(Objective):
         index, counts, micro = batch[_INDEX], batch[_STEP], batch["micro_batches"]
         buffer = self.buffer
         assert buffer is not None
-        logps, entropies = completion_logps(model, rows, self.settings.temperature)
+        extras: dict[str, Any] = {}
+        logps, entropies = completion_logps(model, rows, self.settings.temperature, extras=extras)
         device = logps.device
         old = buffer.old_logps[index].to(device) if buffer.old_logps is not None else logps.detach()
         ref = buffer.ref_logps[index].to(device) if getattr(buffer, "ref_logps", None) is not None else None
@@ -152,7 +156,13 @@ class GroupRelative(Objective):
         metrics["sampling/logp_difference/mean"] = ((logps.detach() - sampled).abs() * rows.mask).sum() / counts["tokens"] * logged_by
         for name, value in buffer.figures.items():
             metrics[name] = torch.tensor(value, device=device)
-        return MicroBatchLoss(share * undo, share.detach() * logged_by, metrics)
+        total = share
+        if self.router_coefficient is not None and extras.get("aux_loss") is not None:
+            # TRL's: the router loss x its coefficient, a mean over the step's micro-batches and ranks
+            router = extras["aux_loss"].to(device) / (self.processes * micro)
+            total = total + self.router_coefficient * router
+            metrics["aux_loss"] = router.detach() * logged_by
+        return MicroBatchLoss(total * undo, total.detach() * logged_by, metrics)
 
     # ------------------------------------------------------------------ evaluation
     def eval_rows(self, model: Any, batch: Batch) -> dict[str, torch.Tensor]:
