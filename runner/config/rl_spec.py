@@ -122,6 +122,9 @@ class RLSpec:
     beta: float = 0.0
     """The KL coefficient. 0: no reference (TRL's default). Above 0: the k3 estimator against
     the starting weights (with peft: the model with its adapters switched off)."""
+    use_bias_correction_kl: bool = True
+    """beta > 0: weigh each token's KL by its importance ratio (TRL's default, DeepSeek-V3.2's
+    unbiased reverse-KL gradient): 1 in value on policy, yet it changes the KL's gradient."""
     scale_rewards: ScaleRewards = ScaleRewards.group
     """group | batch | none: what divides a completion's reward less its group's mean."""
     steps_per_generation: int = 1

@@ -9,6 +9,9 @@ split into parts that add up to it:
   wrapping, a resume's loading, the first batch's wait);
 - reference: a preference run's reference log-probs, scored before training
   (preference.reference=precomputed; nothing when a resume reads them back);
+- generation: online RL's sampling (train.objective=grpo): each generation batch's
+  completions, and the log-probs scored on them before training (the policy's when later
+  steps train on them, the reference's); an evaluation's samples count as evaluation;
 - compile: torch.compile's compiling (model.compile), wherever it happened: the first
   steps, an evaluation's first batch, a recompilation;
 - steps: the training loop's own time (forward, backward, optimizer, logging);
@@ -52,7 +55,7 @@ from typing import Any, Optional
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torch elastic's, in every worker it starts
 LEDGER_FILENAME = "ledger.json"
-PARTS = ("startup", "reference", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
+PARTS = ("startup", "reference", "generation", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
 
 
 def restart_count() -> int:

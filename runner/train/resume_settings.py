@@ -38,7 +38,7 @@ MATH = frozenset({
     "preference.label_smoothing", "preference.gamma", "preference.reference", "preference.disable_dropout",
     # online RL: other samples, rewards or loss
     "rl.rewards", "rl.num_generations", "rl.max_completion_length", "rl.temperature", "rl.loss_type",
-    "rl.importance_sampling_level", "rl.epsilon", "rl.epsilon_high", "rl.beta", "rl.scale_rewards",
+    "rl.importance_sampling_level", "rl.epsilon", "rl.epsilon_high", "rl.beta", "rl.use_bias_correction_kl", "rl.scale_rewards",
     "rl.steps_per_generation", "rl.num_iterations", "rl.mask_truncated_completions", "rl.disable_dropout",
     "precision.kind",
     # ZeRO's CPU offload steps DeepSpeedCPUAdam instead of torch's AdamW, and both change how

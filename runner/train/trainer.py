@@ -94,7 +94,10 @@ class Trainer:
                 batches = self._timed(self.batches.epoch())
                 for batch in batches if self.stream else self.batches.windows(batches):
                     s.samples_in_epoch += self.batches.samples_per_batch
-                    if not self.train_step(batch):
+                    stepped = self.train_step(batch)
+                    for part, seconds in self.objective.take_timings().items():  # its own parts (generation)
+                        self._elsewhere(part, seconds)
+                    if not stepped:
                         continue
                     window_steps += 1
                     logs, evaluates = self._due(self.settings.log_every), self._due(self.settings.eval_every)

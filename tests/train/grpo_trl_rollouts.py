@@ -19,7 +19,8 @@ fed to TRL in that order with shuffle_dataset=False), G, the batch (one optimize
 TRL's per_device_train_batch_size completions, no accumulation), steps_per_generation
 (runner's counts optimizer steps, TRL's micro-batches: equal here, with no accumulation),
 AdamW (fused, betas, eps, no weight decay), a constant learning rate without warmup,
-max_grad_norm, the temperature, beta, epsilon, loss_type, and the rewards (runner's
+max_grad_norm, the temperature (0.7, so that scoring at the wrong one shows), beta (TRL's
+use_bias_correction_kl as each case sets it, on by default on both sides), epsilon, loss_type, and the rewards (runner's
 built-in exact_match/last_number + regex, weighted 1 and 0.5; TRL's two functions
 computing the same, reward_weights [1, 0.5]). One TRL choice is random and is made the
 identity: it shuffles a generation batch's rows before splitting it into its steps
@@ -36,7 +37,7 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -172,7 +173,8 @@ def trl_generate(fixed: FixedCompletions, group: int = G) -> Callable[..., Any]:
     fixed completion (sample r mod G: TRL's batch holds each prompt's G rows in a run),
     padded with the end-of-sequence token."""
 
-    def generate(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    def generate(self: Any, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 **_: Any) -> torch.Tensor:
         fixed.calls += 1
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         rows = [fixed.ids(ids[m.bool()].tolist(), r % group) for r, (ids, m) in enumerate(zip(input_ids, mask))]
@@ -212,7 +214,8 @@ def runner_command(run_dir: Path, model: Path, train: Path, validation: Path, st
     base = ["model=gpt2", f"model.name_or_path={model}", f"model.tokenizer_name={model}", "objective=grpo",
             "data=arith", f"data.train_file={train}", f"data.validation_file={validation}",
             f"train.per_device_batch_size={BATCH}", f"train.max_steps={steps}", "train.log_every=1",
-            "train.eval_every=0", f"train.seed={SEED}", f"optim.lr={LR}", "optim.weight_decay=0", "optim.max_grad_norm=1.0",
+            "train.eval_every=0", f"train.seed={SEED}", f"optim.lr={LR}", "optim.weight_decay=0",
+            "optim.max_grad_norm=1.0",
             "schedule=constant", "schedule.warmup_steps=0", "tracking=none", f"rl.num_generations={G}",
             f"rl.max_completion_length={MAX_LEN}", f"rl.temperature={TEMPERATURE}", RUNNER_REWARDS,
             f"hydra.run.dir={run_dir}"]
@@ -282,7 +285,8 @@ def fused_head_gap(model_dir: Path, fixed: FixedCompletions, prompts: Sequence[S
         if fused:  # GRPOTrainer._get_per_token_logps_and_entropies
             labels = ids.masked_fill(attention == 0, -100)
             labels[:, :-width] = -100
-            logps = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs[:, -width:]
+            out = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+            logps = out.log_probs[:, -width:]
         else:
             logits = model(input_ids=ids, attention_mask=attention).logits[:, p_len - 1:-1].float()
             logps = torch.log_softmax(logits / temperature, -1).gather(2, ids[:, p_len:, None]).squeeze(2)
@@ -294,3 +298,16 @@ def fused_head_gap(model_dir: Path, fixed: FixedCompletions, prompts: Sequence[S
     fused_logps, fused_norm = step(True)
     exact, exact_norm = step(False)
     return float((fused_logps - exact).abs().max()), abs(fused_norm - exact_norm) / exact_norm
+
+
+def exact_trl_scores(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     batch_size: Any = None, compute_entropy: bool = False, compute_aux_loss: bool = False,
+                     **_: Any) -> tuple[torch.Tensor, Any, Any]:
+    """GRPOTrainer._get_per_token_logps_and_entropies without the fused head: the whole
+    logits (the model's own forward: fused_lm_head off) / T, torch's log_softmax. Patched
+    in to measure what the fused head changes in a whole run."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp_all = torch.log_softmax(logits[:, -logits_to_keep - 1:-1].float() / self.temperature, dim=-1)
+    logps = logp_all.gather(2, input_ids[:, -logits_to_keep:, None]).squeeze(2)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if compute_entropy else None
+    return logps, entropy, None

@@ -13,6 +13,7 @@ from `train.objective` (runner/components/objectives/__init__.py) and asked:
 - `eval_rows` / `eval_figures`: per-row figures of an evaluation batch, which the loop
   gathers over ranks and concatenates; then the reported figures from all rows;
 - `state_dict` / `load_state_dict`: what it holds between steps, saved with checkpoints;
+- `take_timings`: the seconds it spent in parts of its own (generation), for the ledger;
 - `figures`, `describe`: the names of what evaluation reports (metrics.jsonl's eval
   lines), and the log line; `summarised`: those of them a sweep's summary shows.
 """
@@ -112,6 +113,11 @@ class Objective(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back `state_dict`'s state from a checkpoint."""
+
+    def take_timings(self) -> dict[str, float]:
+        """Seconds the objective spent in parts of its own since the last call (online RL's
+        `generation`), for the goodput ledger (runner/train/ledger.py) to book apart from the steps."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ the samples the uninterrupted run trained.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -49,6 +50,7 @@ class GroupRelative(Objective):
         self.layout = self.source.layout
         self.reference = setup.reference  # beta > 0: scores the reference's log-probs at generation
         self.buffer: Optional[Rollouts] = None
+        self.generation_seconds = 0.0  # not yet booked by the ledger (take_timings)
         self.router_coefficient = router_coefficient(transformers_model(setup.model))
         self.on_generation: Any = None  # called with each new generation batch (completions.jsonl)
         self.pad_id = self.source.tokenizer.pad_token_id
@@ -59,6 +61,7 @@ class GroupRelative(Objective):
     def rollouts(self, generation: int) -> Rollouts:
         """The generation batch, sampled once (all ranks) and kept while its steps train."""
         if self.buffer is None or self.buffer.generation != generation:
+            started = time.perf_counter()
             was_training = self.model.training
             self.model.eval()
             try:
@@ -74,6 +77,7 @@ class GroupRelative(Objective):
                     self.buffer.ref_logps = self._score_all(self.reference)
             finally:
                 self.model.train(was_training)
+                self.generation_seconds += time.perf_counter() - started
             if self.on_generation is not None:
                 self.on_generation(self.buffer)
         return self.buffer
@@ -145,7 +149,8 @@ class GroupRelative(Objective):
         rl = self.settings
         terms = policy_terms(logps, old, ref, buffer.advantages[index].to(device), rows.mask, loss_type=rl.loss_type,
                              epsilon_low=rl.epsilon, epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high,
-                             beta=rl.beta, importance_sampling_level=rl.importance_sampling_level)
+                             beta=rl.beta, importance_sampling_level=rl.importance_sampling_level,
+                             bias_correction_kl=rl.use_bias_correction_kl)
         share = loss_share(terms, rows.mask, self.settings.loss_type, torch.as_tensor(counts["normaliser"], device=device))
         undo, logged_by = self.processes * self.grad_accum_steps, self.processes * micro
         metrics: dict[str, torch.Tensor] = {}
@@ -181,6 +186,10 @@ class GroupRelative(Objective):
 
     def describe(self, figures: dict[str, float]) -> str:
         return f"reward {figures['reward']:.4f} (std {figures['reward_std']:.4f}), mean length {figures['completions/mean_length']:.1f}"
+
+    def take_timings(self) -> dict[str, float]:
+        seconds, self.generation_seconds = self.generation_seconds, 0.0
+        return {"generation": seconds} if seconds else {}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -159,12 +159,15 @@ def _clips(coef: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
 def policy_terms(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor],
                  advantages: torch.Tensor, mask: torch.Tensor, *, loss_type: Union[RLLoss, str],
                  epsilon_low: float, epsilon_high: float, beta: float = 0.0,
-                 importance_sampling_level: Union[ImportanceSampling, str] = ImportanceSampling.token) -> PolicyTerms:
+                 importance_sampling_level: Union[ImportanceSampling, str] = ImportanceSampling.token,
+                 bias_correction_kl: bool = True) -> PolicyTerms:
     """GRPOTrainer._compute_loss's per-token terms from [B, T] log-probs (the policy's in
     the graph, the sampling pass's and the reference's constants) and [B] advantages.
     token: one ratio a token; sequence (GSPO): exp of the completion's mean log-ratio.
     grpo/dr_grpo/dapo clip the ratio two-sided; cispo weighs the log-prob by the ratio
-    capped at epsilon_high and detached. beta > 0 adds beta x the k3 KL to each token."""
+    capped at epsilon_high and detached. beta > 0 adds beta x the k3 KL to each token;
+    `bias_correction_kl` (TRL's use_bias_correction_kl, on by default there) weighs it by the
+    ratio first: 1 in value on policy, but in the graph, so it changes the KL's gradient."""
     kind = _loss_kind(loss_type)
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -179,6 +182,8 @@ def policy_terms(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Option
             raise ValueError("a KL term (beta != 0) needs the reference's log-probs")
         diff = ref_logps - logps
         kl = torch.exp(diff) - diff - 1
+        if bias_correction_kl:
+            kl = kl * coef
     low = high = region = cispo = None
     if kind is RLLoss.cispo:
         loss = -torch.clamp(coef, max=epsilon_high).detach() * adv * logps

@@ -77,10 +77,11 @@ def model_inputs(rows: list[int], b: SimpleNamespace) -> dict[str, torch.Tensor]
 
 def trl_grpo(loss_type: str, beta: float, level: str, b: SimpleNamespace, rows: list[int], *,
              accumulation: int = 1, trl_steps_per_generation: int = 1, processes: int = 1,
-             generation_tokens: Optional[torch.Tensor] = None) -> SimpleNamespace:
+             generation_tokens: Optional[torch.Tensor] = None, correction: bool = True) -> SimpleNamespace:
     """GRPOTrainer._compute_loss on the rows, one micro-batch of a step of `accumulation`
-    on each of `processes`: its loss, the gradient at the log-probs, its logged metrics."""
-    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=trl_steps_per_generation)
+    on each of `processes`: its loss, the gradient at the log-probs, its logged metrics.
+    `correction`: TRL's use_bias_correction_kl (its default: on)."""
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=correction, steps_per_generation=trl_steps_per_generation)
     trainer, logps = stand_in(
         rows, b, loss_type=loss_type, beta=beta, epsilon_low=EPS_LOW, epsilon_high=eps_high(loss_type),
         importance_sampling_level=level, top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
@@ -97,14 +98,14 @@ def trl_grpo(loss_type: str, beta: float, level: str, b: SimpleNamespace, rows: 
 
 def ours(loss_type: str, beta: float, level: str, b: SimpleNamespace, rows: list[int], *, step_completions: int = ROWS,
          steps_per_generation: int = 1, generation_tokens: Optional[torch.Tensor] = None,
-         trim: bool = False) -> SimpleNamespace:
+         trim: bool = False, correction: bool = True) -> SimpleNamespace:
     """Our share of the step's loss for the rows (trimmed to their longest, as a rank pads)."""
     width = max(max(LENGTHS[r] for r in rows), 1) if trim else WIDTH
     logps = b.logps[rows, :width].clone().requires_grad_(True)
     mask = b.mask[rows, :width]
     terms = policy_terms(logps, b.old[rows, :width], b.ref[rows, :width] if beta else None, b.advantages[rows], mask,
                          loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=eps_high(loss_type), beta=beta,
-                         importance_sampling_level=level)
+                         importance_sampling_level=level, bias_correction_kl=correction)
     tokens = b.mask.sum() if generation_tokens is None else generation_tokens
     normaliser = step_normaliser(loss_type, step_completions, tokens, steps_per_generation, MAX_LENGTH)
     share = loss_share(terms, mask, loss_type, normaliser)
@@ -133,12 +134,13 @@ def assert_both_sides_clipped(terms: PolicyTerms, mask: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, correction", [(0.0, True), (0.04, True), (0.04, False)],
+                         ids=["beta 0", "beta 0.04 (KL bias-corrected, TRL's default)", "beta 0.04 uncorrected"])
 @pytest.mark.parametrize("loss_type", LOSSES)
-def test_the_step_in_one_piece_equals_trl_grpo_trainer(batch, loss_type, beta, level):
+def test_the_step_in_one_piece_equals_trl_grpo_trainer(batch, loss_type, beta, correction, level):
     everything = list(range(ROWS))
-    trl = trl_grpo(loss_type, beta, level, batch, everything)
-    mine = ours(loss_type, beta, level, batch, everything)
+    trl = trl_grpo(loss_type, beta, level, batch, everything, correction=correction)
+    mine = ours(loss_type, beta, level, batch, everything, correction=correction)
     assert_both_sides_clipped(mine.terms, batch.mask)
     torch.testing.assert_close(mine.loss, trl.loss, **TOL)
     torch.testing.assert_close(mine.grad, trl.grad, **TOL)
