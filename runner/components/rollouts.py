@@ -58,6 +58,12 @@ class StreamLayout:
         return step % self.steps_per_generation
 
 
+def stream_layout(prompts: int, settings: RLSpec, global_batch: int) -> StreamLayout:
+    """The prompt stream of `prompts` prompts at `global_batch` completions a step."""
+    return StreamLayout(prompts, settings.num_generations, global_batch, settings.steps_per_generation,
+                        settings.num_iterations)
+
+
 def prompt_order(prompts: int, seed: int, epoch: int) -> list[int]:
     """Epoch `epoch`'s permutation of the prompts, from (seed, epoch) alone."""
     digest = hashlib.blake2b(f"prompts/{seed}/{epoch}".encode(), digest_size=8).digest()
@@ -149,6 +155,11 @@ class RolloutSource:
     def __post_init__(self) -> None:
         if not self.rewards:
             self.rewards = build_rewards(self.settings.rewards, self.settings.max_completion_length)
+
+    @property
+    def row_length(self) -> int:
+        """The longest training row: the longest prompt and a whole completion."""
+        return max(len(ids) for ids in self.prompts.ids) + self.settings.max_completion_length
 
     def eos_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id

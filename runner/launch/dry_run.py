@@ -6,7 +6,9 @@ import torch
 
 from runner.components.data import PreparedData
 from runner.components.stream import StreamedData
-from runner.config.spec import RunSpec, spec_to_yaml
+from runner.components.rollouts import stream_layout
+from runner.config.batch import global_batch
+from runner.config.spec import ObjectiveKind, RunSpec, spec_to_yaml
 from runner.launch.fit import Budget, Planner, gib, verdict_lines
 from runner.launch.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
@@ -16,6 +18,9 @@ def report(spec: RunSpec, data: PreparedData | StreamedData, world_size: int, pl
     shape = planner.shape
     streamed = isinstance(data, StreamedData)
     train_blocks = 0 if streamed else len(data.train)  # a stream's length is unknown
+    if spec.train.objective is ObjectiveKind.grpo:  # its loader's rows: an epoch's completions, whole steps
+        layout = stream_layout(train_blocks, spec.rl, global_batch(spec.train, world_size))
+        train_blocks = layout.steps_per_epoch * layout.global_batch
     plan = plan_run(
         spec,
         world_size,
@@ -60,6 +65,9 @@ def dry_run_report(plan: RunPlan, estimate: MemoryEstimate, eval_batch: int) -> 
          if estimate.evaluation is not None else
          f"    evaluation    below the step  (the chunked head evaluating a batch of {eval_batch}, no larger than "
          "the micro-batch: not traced)"),
+        *([f"    generation    {gib(estimate.generation_total)}  (the states between steps and one group's sampling, "
+           f"{gib(estimate.generation)}: the KV cache of rl.num_generations x (prompt + completion) tokens and its logits)"]
+          if estimate.generation else []),
         f"    peak          {gib(estimate.device_total)}  ({estimate.decided_by})"
         + (f"  (+ {gib(estimate.offloaded)} offloaded to host memory)" if estimate.offloaded else ""),
     ]

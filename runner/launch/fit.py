@@ -21,7 +21,8 @@ from runner.config.batch import eval_batch_size
 from runner.config.errors import UserError
 from runner.config.spec import ObjectiveKind, OffloadDevice, PeftSpec, ReferenceMode, RunSpec
 from runner.config.validate import reference_mode
-from runner.launch.memory_estimate import MemoryEstimate, estimate_memory, with_activations, with_evaluation
+from runner.launch.memory_estimate import (MemoryEstimate, estimate_memory, generation_bytes, with_activations,
+                                          with_evaluation, with_generation)
 
 # Memory of the GPUs people name, in GiB (what torch.cuda reports as total_memory, rounded).
 # A name with no size picks the larger variant (A100 -> 80); `A100-40GB` names the other.
@@ -217,6 +218,9 @@ class Planner:
         how, evaluated = numerics(strategy, precision), eval_batch or self.eval_batch(b)
         trace = self.trace(b, how)
         training = with_activations(states, trace, strategy, self.world, accum)
+        if s.train.objective is ObjectiveKind.grpo:  # sampling between steps: a group's KV cache and logits
+            training = with_generation(training, generation_bytes(self.config, s.rl.num_generations, self.block_size),
+                                       strategy)
         if bounded_untraced and trace.chunked and evaluated <= b:
             # The chunked head evaluating a batch no larger than the micro-batch holds less
             # than the step's forward (the same forward without what it saves for backward,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from runner.distributed.deepspeed import GPT2_LAYER_WEIGHTS, zero_sizes
 
@@ -38,6 +38,10 @@ class MemoryEstimate:
     # allocated while it runs; None when not traced (below the training step's: fit.Planner).
     evaluation: Optional[float] = None
     grads_in_evaluation: float = 0.0
+    # Online RL's sampling (train.objective=grpo), between steps: one group's KV cache and
+    # its logits (generation_bytes); 0 for the other objectives.
+    generation: float = 0.0
+    grads_in_generation: float = 0.0
 
     @property
     def states_total(self) -> float:
@@ -61,14 +65,22 @@ class MemoryEstimate:
         return held + self.grads_in_evaluation + (self.evaluation or 0.0)
 
     @property
+    def generation_total(self) -> float:
+        """Sampling's peak: what stays allocated between steps and one group's KV cache and logits."""
+        held = self.params + self.reference + self.optimizer + self.buffers
+        return held + self.grads_in_generation + self.generation if self.generation else 0.0
+
+    @property
     def device_total(self) -> float:
-        """The rank's peak: the training step's or the evaluation's, whichever is more."""
-        return max(self.training_total, self.evaluation_total)
+        """The rank's peak: the training step's, the evaluation's or sampling's, whichever is more."""
+        return max(self.training_total, self.evaluation_total, self.generation_total)
 
     @property
     def decided_by(self) -> str:
-        """Which of the two is the peak (a word for the plan's lines)."""
-        return "evaluation" if self.evaluation_total > self.training_total else "training step"
+        """Which of them is the peak (a word for the plan's lines)."""
+        peaks = {"training step": self.training_total, "evaluation": self.evaluation_total,
+                 "generation": self.generation_total}
+        return max(peaks, key=lambda name: peaks[name])
 
 
 class Traced(Protocol):
@@ -112,6 +124,26 @@ def with_activations(estimate: MemoryEstimate, traced: Traced, strategy: str, wo
         at_rest, share = 0.0, 0.0
     activations = float(traced.peak_with_gradients(share, unreduced))
     return replace(estimate, activations=activations, grads_at_rest=at_rest)
+
+
+def generation_bytes(config: Any, sequences: int, length: int, bytes_per_value: int = 4) -> float:
+    """One group's sampling (runner/components/generation.py): the KV cache of `sequences`
+    rows of `length` tokens (keys and values, every layer, its key-value heads: grouped-query
+    attention's fewer), and the last position's logits with their log-softmax and
+    probabilities, in fp32 (the sampling pass runs the model's own weights, outside autocast)."""
+    layers = int(getattr(config, "num_hidden_layers"))
+    heads = int(getattr(config, "num_attention_heads"))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(getattr(config, "hidden_size")) // heads)
+    cache = 2 * layers * sequences * length * kv_heads * head_dim * bytes_per_value
+    logits = 3 * sequences * int(getattr(config, "vocab_size")) * 4
+    return float(cache + logits)
+
+
+def with_generation(estimate: MemoryEstimate, generation: float, strategy: str) -> MemoryEstimate:
+    """The estimate with one group's sampling (generation_bytes) between steps, the
+    gradients allocated then counted as with_evaluation counts them."""
+    return replace(estimate, generation=float(generation), grads_in_generation=estimate.grads if strategy in ZERO else 0.0)
 
 
 def with_evaluation(estimate: MemoryEstimate, evaluation: float, strategy: str) -> MemoryEstimate:

@@ -9,6 +9,7 @@ a run folder is touched or a worker starts.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -283,27 +284,28 @@ def prepare_data(spec: RunSpec, world_size: int = 1) -> PreparedData | StreamedD
         return streamed
     if spec.data.format is DataFormat.prompts:
         prompts = prepare_prompts(spec.data, tokenizer, block_size)
-        check_prompt_lengths(spec, prompts, tokenizer)
-        return prompts
+        longest = check_prompt_lengths(spec, prompts, tokenizer)
+        # the rows training and the memory plan see: the longest prompt and a whole completion
+        return replace(prompts, block_size=longest + spec.rl.max_completion_length)
     return prepare(spec.data, tokenizer, block_size)
 
 
-def check_prompt_lengths(spec: RunSpec, data: PreparedData, tokenizer: Any) -> None:
+def check_prompt_lengths(spec: RunSpec, data: PreparedData, tokenizer: Any) -> int:
     """train.objective=grpo: the rewards build (a regex compiles, a function is there), and
-    the longest prompt + rl.max_completion_length fits the model's positions."""
+    the longest prompt + rl.max_completion_length fits the model's positions; returns the
+    longest prompt's length in tokens."""
     from runner.components.rewards import build_rewards
     from runner.components.rollouts import prompt_tokens
 
     build_rewards(spec.rl.rewards, spec.rl.max_completion_length)  # a BadReward is a UserError: one line
     positions = max_positions(build_config(spec.model))
-    if positions is None:
-        return
     longest = max(len(prompt_tokens(tokenizer, row[spec.data.prompt_field]))
                   for split in (data.train, data.validation) for row in split)
-    if longest + spec.rl.max_completion_length > positions:
+    if positions is not None and longest + spec.rl.max_completion_length > positions:
         raise UserError(f"the longest prompt ({longest} tokens) + rl.max_completion_length="
                         f"{spec.rl.max_completion_length} is longer than the model's {positions} positions: lower "
                         f"rl.max_completion_length to {max(positions - longest, 0)} or less, or shorten the prompts.")
+    return longest
 
 
 def check_stream_step(spec: RunSpec, world_size: int, streamed: StreamedData, tokenizer: Any = None) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from runner.components.adapters import uses_adapters
 from runner.components.data import PreparedData
-from runner.components.rollouts import RolloutSource, Rollouts, StreamLayout, prompt_set
+from runner.components.rollouts import RolloutSource, Rollouts, StreamLayout, prompt_set, stream_layout
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, StrategyKind
 from runner.train.loaders import Loaders, prompt_loaders
@@ -22,8 +22,7 @@ def rollout_parts(spec: RunSpec, accelerator: Any, tokenizer: Any, data: Prepare
     rl, world = spec.rl, accelerator.num_processes
     field = spec.data.prompt_field
     train, evaluation = prompt_set(data.train, field, tokenizer, None), prompt_set(data.validation, field, tokenizer, None)
-    layout = StreamLayout(len(train), rl.num_generations, global_batch(spec.train, world), rl.steps_per_generation,
-                          rl.num_iterations)
+    layout = stream_layout(len(train), rl, global_batch(spec.train, world))
     device = accelerator.device
     source = RolloutSource(
         train, evaluation, rl, layout, tokenizer, spec.train.seed, rank=accelerator.process_index, world=world,

@@ -148,6 +148,7 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     rollouts = None
     if grpo:  # online RL: the loader hands out slots of the rollouts' stream (runner/train/rl_setup.py)
         loaders, rollouts = rollout_parts(spec, accelerator, built.tokenizer, data)
+        block_size = rollouts.row_length  # the rows it trains: the plan's tokens and the FLOPs per token
     else:
         loaders = make_loaders(spec, data, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, optimizer_in_use = prepare_for_training(  # 5
