@@ -43,7 +43,7 @@ from runner.config.spec import RunSpec
 from runner.report.parity import BF16_LOSS_ATOL, EQUAL_MATH, figure_problems, parity_problems, step_records
 
 FACTORS: dict[str, tuple[str, ...]] = {
-    "objective": ("causal_lm", "sft", "dpo"),
+    "objective": ("causal_lm", "sft", "dpo", "grpo"),
     "data": ("one", "mixture"),
     "packing": ("off", "on"),
     "peft": ("none", "lora"),
@@ -69,7 +69,8 @@ def applies(cell: Cell) -> bool:
         return False
     if cell["reference"] == "adapter_off" and cell["peft"] == "none":
         return False
-    return not (cell["packing"] == "on" and cell["objective"] == "causal_lm")
+    # run_clm's text blocks are packed by construction; online RL's rows are its generations
+    return not (cell["packing"] == "on" and cell["objective"] in ("causal_lm", "grpo"))
 
 
 @dataclass
@@ -103,7 +104,7 @@ def write_sources(folder: Path) -> None:
         lines = [next(handle) for _ in range(1600)]
     (folder / "novels_a.txt").write_text("".join(lines[:800]))
     (folder / "novels_b.txt").write_text("".join(lines[800:]))
-    for name, asset in (("sft", "austen_sft.jsonl.gz"), ("pref", "austen_pref.jsonl.gz")):
+    for name, asset in (("sft", "austen_sft.jsonl.gz"), ("pref", "austen_pref.jsonl.gz"), ("arith", "arith.jsonl.gz")):
         with gzip.open(asset_path(asset), "rt") as handle:
             records = [next(handle) for _ in range(240)]
         (folder / f"{name}_a.jsonl").write_text("".join(records[:120]))
@@ -121,6 +122,10 @@ def data_overrides(values: Cell, sources: Path) -> list[str]:
         if not mixture:
             return []  # the tiny recipe's novels
         return ["data.train_file=null", _mixture([(f"novels_{s}", sources / f"novels_{s}.txt", "text") for s in "ab"])]
+    if objective == "grpo":  # runner certify --objective grpo's prompts, generations and rewards
+        return [*matrix.GRPO, *(["data.train_file=null", "data.validation_split_percentage=50",
+                                 _mixture([(f"arith_{s}", sources / f"arith_{s}.jsonl", "prompts") for s in "ab"])]
+                                if mixture else [])]
     fmt, data, stem = (("prompt_completion", "austen_sft", "sft") if objective == "sft" else
                        ("preference", "austen_pref", "pref"))
     chosen = [f"data={data}", "data.too_long=truncate", f"data.packing={str(packed).lower()}"]
@@ -197,7 +202,7 @@ def layout_problems(join: Join) -> list[str]:
     problems = parity_problems(one, two, tolerance.loss_atol, tolerance.grad_norm_rtol)
     if sorted(two) != list(range(1, matrix.STEPS + 1)):
         problems.append(f"2 processes logged steps {sorted(two)}, not 1-{matrix.STEPS} once each")
-    figures = matrix.FIGURES["dpo" if join.values["objective"] == "dpo" else "causal_lm"]
+    figures = matrix.FIGURES.get(str(join.values["objective"]), ())
     return problems + figure_problems(join.leg("one") / "metrics.jsonl", join.leg("two") / "metrics.jsonl", figures,
                                       tolerance.loss_atol)
 

@@ -48,13 +48,14 @@ def shares_asked(data: DataSpec) -> list[float]:
 def row_format(data: DataSpec) -> DataFormat:
     """The format the run's rows have: data.format; for a mixture, its sources' one format,
     or (text blocks among instruction examples) an instruction format's, the text blocks
-    becoming examples trained on every token. Preference pairs mix with nothing else
-    (validate refuses it)."""
+    becoming examples trained on every token. Preference pairs and online RL's prompts mix
+    with nothing else (validate refuses it)."""
     formats = {s.format for s in source_specs(data)}
     if len(formats) == 1:
         return formats.pop()
-    if DataFormat.preference in formats:
-        return DataFormat.preference
+    for alone in (DataFormat.preference, DataFormat.prompts):  # they mix with nothing else (validate refuses it)
+        if alone in formats:
+            return alone
     return DataFormat.prompt_completion  # chat, prompt_completion and text rows share its layout
 
 

@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Optional
 
 from runner.config.batch import global_batch
+from runner.config.mixture import row_format
 from runner.config.data_spec import DataFormat
 from runner.config.rl_spec import RLLoss, RLSpec
 from runner.config.spec import ObjectiveKind, RunSpec
@@ -17,7 +18,7 @@ from runner.config.spec import ObjectiveKind, RunSpec
 def check_rl(spec: RunSpec, world_size: Optional[int]) -> list[str]:
     rl, p = spec.rl, []
     grpo = spec.train.objective is ObjectiveKind.grpo
-    prompts = spec.data.format is DataFormat.prompts
+    prompts = row_format(spec.data) is DataFormat.prompts
     if grpo != prompts:
         p.append("train.objective=grpo trains on data.format=prompts (a prompt and the columns its rewards read), and "
                  "only it does: use objective=grpo with prompt data, or neither." if grpo else

@@ -93,10 +93,12 @@ def check_mixture(spec: RunSpec) -> list[str]:
         p.append("data.mixture: every weight is 0, so nothing could be sampled: give a source a weight > 0.")
     sources = source_specs(d)
     formats = {source.format for source in sources}
-    if DataFormat.preference in formats and len(formats) > 1:
-        p.append("data.mixture: preference pairs train a preference objective and mix with nothing else; "
-                 f"these sources are {', '.join(sorted(f.value for f in formats))}. Make every source "
-                 "format=preference, or leave the pairs out.")
+    for alone, what in ((DataFormat.preference, "preference pairs train a preference objective"),
+                        (DataFormat.prompts, "prompts train online RL (objective=grpo)")):
+        if alone in formats and len(formats) > 1:
+            p.append(f"data.mixture: {what} and mix with nothing else; these sources are "
+                     f"{', '.join(sorted(f.value for f in formats))}. Make every source format={alone.value}, or "
+                     "leave them out.")
     for name, source in zip(names, sources):
         if source.format is DataFormat.text and row_format(d) is not DataFormat.text:
             # the instruction settings are the instruction sources'; its blocks train whole

@@ -32,14 +32,21 @@ def test_a_pair_that_cannot_meet_is_not_asked_for():
 
 
 def test_a_new_value_of_a_factor_joins_every_pair():
-    """The next objective (online RL, say) meets every value of every other factor."""
-    grown = {**FACTORS, "objective": (*FACTORS["objective"], "grpo")}
+    """The next objective (say RLOO) meets every value of every other factor; and online RL
+    (grpo), which joined as such a value, meets every one that applies to it (its rows are
+    its generations: never packed)."""
+    grown = {**FACTORS, "objective": (*FACTORS["objective"], "rloo")}
     cells = pairwise.covering_array(grown, applies)
     for name, values in grown.items():
         if name in ("objective", "reference"):
             continue
         for value in values:
-            assert any(c["objective"] == "grpo" and c[name] == value for c in cells), (name, value)
+            assert any(c["objective"] == "rloo" and c[name] == value for c in cells), (name, value)
+    for name, values in FACTORS.items():
+        for value in values:
+            if name in ("objective", "reference") or (name, value) == ("packing", "on"):
+                continue
+            assert any(c["objective"] == "grpo" and c[name] == value for c in joins.cells()), (name, value)
 
 
 def test_a_small_array_is_the_classic_one():
