@@ -36,10 +36,10 @@ TUNED_ENV; runner sets its own). Measured in each worker, over the steps after
                       (getrusage), the whole process: Python, the libraries each imports,
                       the model, data and steps
 
-    python bench/grpo.py                          # 2 x 64 GPT-2, 4 prompts x G=4, 8 tokens, 1 + 5 steps: ~1.5 min on 2 cores
-    python bench/grpo.py --rounds 3               # three interleaved rounds, medians
+    python bench/grpo.py                  # 2 x 64 GPT-2, 4 prompts x G=4, 8 tokens, 1 + 5 steps, 2 rounds: ~2 min
+    python bench/grpo.py --threads 1 --rounds 3   # one thread each (steadier on a shared machine), three rounds
     python bench/grpo.py --device cuda --width 256 --layers 4 --max-completion-length 64
-    python bench/grpo.py --profile                # also: one more run of each under cProfile, top entries
+    python bench/grpo.py --profile        # also: one more run of each under cProfile, top entries
 
 Internal: `--worker runner|trl --run-dir DIR --out FILE [--profile-out FILE]`.
 """
@@ -304,8 +304,9 @@ def print_profile(side: str, path: Path, steps: int) -> None:
     print(f"  {'part (cumulative)':<44} | {'s a step':>8} | {'share':>6}")
     for module, name, label in PROFILE_PARTS[side]:
         # the outermost of the functions it names (a model's forward holds its modules' forwards)
-        cumulative = max((ct for (file, _, fn), (_, _, _, ct, _) in table.items()
-                          if fn == name and (module == "~" and file == "~" or module.replace(".", "/") in file)), default=0)
+        seen = [ct for (file, _, fn), (_, _, _, ct, _) in table.items()
+                if fn == name and (module == "~" and file == "~" or module.replace(".", "/") in file)]
+        cumulative = max(seen, default=0)
         if cumulative:
             print(f"  {label:<44} | {cumulative / steps:>8.3f} | {cumulative / total:>6.1%}")
     print(f"  top {PROFILE_TOP} by own time:")
