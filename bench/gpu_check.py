@@ -243,6 +243,29 @@ def instruction_case(name: str, packing: bool) -> Callable[[Check], Row]:
     return run
 
 
+def grpo_case(name: str) -> Callable[[Check], Row]:
+    """Online RL at ~0.5B (train.objective=grpo, bf16): generated tokens/s over the ledger's
+    generation seconds (sampling with its KV cache, and the log-probs scored on the samples),
+    and the run's peak memory (the KV cache of a group beside the training step's)."""
+    def run(check: Check) -> Row:
+        m = check.mode
+        group, length = (8, 256) if m.name == "GPU" else (4, 8)
+        row, run_dir = check.runner(name, ["model.model_type=qwen2", f"model.config_overrides='{m.big}'",
+                                           "precision=bf16", f"rl.num_generations={group}",
+                                           f"rl.max_completion_length={length}", f"train.per_device_batch_size={2 * group}",
+                                           "train.max_steps=6", "data.max_eval_samples=2"], recipe="gpt2_grpo_tiny")
+        if row.status != "ok":
+            return row
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        generated = sum(r["completions/mean_length"] * 2 * group for r in steps)  # a generation batch a step
+        seconds = json.loads((run_dir / "all_results.json").read_text())["goodput"]["parts_seconds"]["generation"]
+        row.tokens_per_s, row.mfu = generated / seconds, None
+        row.note = (f"generated tokens/s: {len(steps)} steps of 2 prompts x G={group}, up to {length} tokens, "
+                    f"{generated:,.0f} tokens in {seconds:.1f} s of generation")
+        return row
+    return run
+
+
 CASES = [
     Case("Trainer, bf16", trainer_case),
     Case("runner, bf16", runner_case("runner, bf16", note="out of the box: Liger's loss with liger-kernel on a GPU, "
@@ -256,6 +279,7 @@ CASES = [
     Case(f"runner, fp16, overflow at step {OVERFLOW_STEP}", fp16_overflow),
     Case("~0.5B from config, full", big_case("~0.5B from config, full")),
     Case("~0.5B from config, LoRA", big_case("~0.5B from config, LoRA", "peft=lora", base_of="~0.5B from config, full")),
+    Case("~0.5B from config, GRPO", grpo_case("~0.5B from config, GRPO")),
     Case("instruction data, padded", instruction_case("instruction data, padded", packing=False)),
     Case("instruction data, packed", instruction_case("instruction data, packed", packing=True)),
     Case("runner, bf16, zero2 on 1 device", runner_case("runner, bf16, zero2 on 1 device", "strategy=zero2")),

@@ -21,11 +21,11 @@ version() {  # the lock's pin of a distribution (its canonical name)
   echo "$v"
 }
 # Binary wheels for that Python on x86-64 Linux, without their dependencies: each is named.
-# pyarrow is datasets' oldest allowed (>= 24), the smallest: 49 MB of the 64 MiB, pandas 12 more
-# (the lock's pyarrow is larger; datasets reads and writes the check's data the same with either).
-# Left out as the image has them or the check does not need them: huggingface-hub (transformers 5's),
+# Left out as the image has them (its package list: ../.library/device/KINDS.md) or the check does not
+# need them: pyarrow and pandas (49 and 12 MB: with the working tree they would pass the 64 MiB that
+# travels), huggingface-hub (transformers 5's),
 # ninja (deepspeed's JIT ops only), tzdata (pandas reads time zones from the system's). `import deepspeed`
-# itself needs einops and msgpack.
+# itself needs einops, msgpack and pydantic (with pydantic-core, annotated-types, typing-inspection).
 download() {
   python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$OUT" \
     --python-version "$PY" --implementation cp --platform manylinux_2_28_x86_64 \
@@ -33,9 +33,11 @@ download() {
 }
 download "hydra-core==$(version hydra-core)" "omegaconf==$(version omegaconf)" "datasets==$(version datasets)" \
   "torchdata==$(version torchdata)" "liger-kernel==$(version liger-kernel)" \
-  "pyarrow==24.0.0" "pandas==$(version pandas)" "dill==$(version dill)" "multiprocess==$(version multiprocess)" \
+  "dill==$(version dill)" "multiprocess==$(version multiprocess)" \
   "xxhash==$(version xxhash)" "fsspec==$(version fsspec)" "python-dateutil==$(version python-dateutil)" \
-  "hjson==$(version hjson)" "py-cpuinfo==$(version py-cpuinfo)" "msgpack==$(version msgpack)" "einops==$(version einops)"
+  "hjson==$(version hjson)" "py-cpuinfo==$(version py-cpuinfo)" "msgpack==$(version msgpack)" "einops==$(version einops)" \
+  "pydantic==$(version pydantic)" "pydantic-core==$(version pydantic-core)" "annotated-types==$(version annotated-types)" \
+  "typing-inspection==$(version typing-inspection)"
 # Only sources on PyPI: built into wheels here (pure Python; deepspeed's ops build on first use).
 python -m pip wheel -q --disable-pip-version-check --no-deps -w "$OUT" "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
 python -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$OUT" "deepspeed==$(version deepspeed)"

@@ -16,7 +16,7 @@ EXPECTED = {
     "Trainer, bf16": "ok", "runner, bf16": "ok", "runner, bf16, plain loss": "ok",
     "runner, bf16, compile": "not run", "runner, bf16, chunked loss": "not run",
     "runner, fp16, overflow at step 5": "refused",  # fp16 needs a GPU, said in one line
-    "~0.5B from config, full": "ok", "~0.5B from config, LoRA": "ok",
+    "~0.5B from config, full": "ok", "~0.5B from config, LoRA": "ok", "~0.5B from config, GRPO": "ok",
     "instruction data, padded": "ok", "instruction data, packed": "ok",
     "runner, bf16, zero2 on 1 device": "ok", "runner, bf16, fsdp on 1 device": "refused",  # FSDP shards over 2 or more
 }
