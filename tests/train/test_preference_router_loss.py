@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_router_loss import VOCAB, mixtral
+from test_router_loss import VOCAB, mixtral, prepared_mixtral
 
-from runner.components.chunked_loss import install
 from runner.components.labels import IGNORE_INDEX
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.dpo import DirectPreference
@@ -23,10 +22,8 @@ from runner.components.objectives.preference_loss import pair_terms, sequence_lo
 from runner.components.objectives.reference import Reference
 from runner.components.preference_batch import pad_pairs
 from runner.config.preference_spec import PreferenceSpec
-from runner.config.spec import PrecisionSpec, StrategySpec
-from runner.distributed.accelerator import build_accelerator, reset_accelerate_state
-from runner.distributed.strategies import build_strategy
-from runner.train.parts import Engine, LoopSettings, TrainData
+from runner.distributed.accelerator import reset_accelerate_state
+from runner.train.parts import LoopSettings, TrainData
 from runner.train.trainer import Trainer
 
 PAIRS = 4
@@ -63,19 +60,12 @@ def pair_rows() -> list[dict]:
 
 def one_step(tmp_path: Path, coefficient: float, per_micro_batch: int, chunked: bool) -> tuple[float, float]:
     accum = PAIRS // per_micro_batch
-    strategy = build_strategy(StrategySpec(), PrecisionSpec())
-    accelerator = build_accelerator(strategy, grad_accum_steps=accum, max_grad_norm=0.0)
-    model = mixtral(coefficient)
-    head = install(model)[0] if chunked else None
-    assert (head is not None) == chunked
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    objective = DirectPreference(ObjectiveSetup(accelerator.unwrap_model(model), processes=1, grad_accum_steps=accum,
-                                                chunked=head, preference=PreferenceSpec(), reference=Fixed()))
-    trainer = Trainer(Engine(accelerator, model, optimizer, scheduler, strategy),  # type: ignore[arg-type]
-                      TrainData([], [], counts_real_tokens=True), type("Plan", (), {"grad_accum_steps": accum})(),
-                      objective, LoopSettings(tmp_path))
+    engine, head = prepared_mixtral(coefficient, accum, chunked)
+    objective = DirectPreference(ObjectiveSetup(engine.accelerator.unwrap_model(engine.model), processes=1,
+                                                grad_accum_steps=accum, chunked=head, preference=PreferenceSpec(),
+                                                reference=Fixed()))
+    trainer = Trainer(engine, TrainData([], [], counts_real_tokens=True),
+                      type("Plan", (), {"grad_accum_steps": accum})(), objective, LoopSettings(tmp_path))  # type: ignore[arg-type]
     rows = pair_rows()
     window = [pad_pairs(rows[i:i + per_micro_batch], 0) for i in range(0, PAIRS, per_micro_batch)]
     opened = objective.open_window(window, torch.device("cpu"), all_ranks=False)

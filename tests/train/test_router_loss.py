@@ -47,6 +47,20 @@ def mixtral(coefficient: float) -> MixtralForCausalLM:
         router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=coefficient))
 
 
+def prepared_mixtral(coefficient: float, accum: int, chunked: bool) -> tuple[Engine, object]:
+    """The tiny mixture of experts prepared on one process under ddp, AdamW at a constant
+    rate, and its chunked head (None when `chunked` is false): what a step is run on."""
+    strategy = build_strategy(StrategySpec(), PrecisionSpec())
+    accelerator = build_accelerator(strategy, grad_accum_steps=accum, max_grad_norm=0.0)
+    model = mixtral(coefficient)
+    head = install(model)[0] if chunked else None
+    assert (head is not None) == chunked
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return Engine(accelerator, model, optimizer, scheduler, strategy), head
+
+
 def rows() -> tuple[torch.Tensor, torch.Tensor]:
     """8 rows of 12 tokens, answers of different lengths (prompts not trained)."""
     ids = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(1))
@@ -66,19 +80,12 @@ def one_step(tmp_path: Path, coefficient: float, micro_batch: int, accum: int, c
     last `fillers` of them fillers only (runner/components/epoch_batches.py: an epoch's end
     on another rank's layout); (the loss it logs, its gradient norm)."""
     window = window or accum
-    strategy = build_strategy(StrategySpec(), PrecisionSpec())
-    accelerator = build_accelerator(strategy, grad_accum_steps=accum, max_grad_norm=0.0)
-    model = mixtral(coefficient)
-    chunked_loss = install(model)[0] if chunked else None
-    assert (chunked_loss is not None) == chunked
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    plan = SimpleNamespace(grad_accum_steps=accum)
-    objective = CausalLM(ObjectiveSetup(accelerator.unwrap_model(model), processes=1, grad_accum_steps=accum,
+    engine, chunked_loss = prepared_mixtral(coefficient, accum, chunked)
+    accelerator = engine.accelerator
+    objective = CausalLM(ObjectiveSetup(accelerator.unwrap_model(engine.model), processes=1, grad_accum_steps=accum,
                                         chunked=chunked_loss))
-    trainer = Trainer(Engine(accelerator, model, optimizer, scheduler, strategy),  # type: ignore[arg-type]
-                      TrainData([], [], counts_real_tokens=True), plan, objective, LoopSettings(tmp_path))
+    trainer = Trainer(engine, TrainData([], [], counts_real_tokens=True), SimpleNamespace(grad_accum_steps=accum),  # type: ignore[arg-type]
+                      objective, LoopSettings(tmp_path))
     # A window cut short (an epoch's end): Accelerate's counter already stands where it ends.
     accelerator.step = accum - window
     ids, labels = rows()
