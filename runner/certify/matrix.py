@@ -44,6 +44,7 @@ from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.launch.launcher import launch_in_turn
 from runner.launch.start import claim, launch_failures, start
+from runner.train.rl_setup import COMPLETIONS_FILENAME
 from runner.report.parity import (
     BF16_GRAD_NORM_RTOL,
     BF16_LOSS_ATOL,
@@ -257,6 +258,18 @@ def _finished(run_dir: Path, step: int) -> bool:
     return results.exists() and int(json.loads(results.read_text()).get("train_steps", step)) >= step
 
 
+def sample_problems(reference: Path, run_dir: Path) -> list[str]:
+    """Online RL: the run sampled exactly the reference's completions, to the byte, its resume
+    included (completions.jsonl: every generation batch, with its rewards and advantages)."""
+    theirs = reference / COMPLETIONS_FILENAME
+    if not theirs.exists():
+        return []
+    ours = run_dir / COMPLETIONS_FILENAME
+    if not ours.exists() or ours.read_bytes() != theirs.read_bytes():
+        return [f"its {COMPLETIONS_FILENAME} is not the one process's, byte for byte"]
+    return []
+
+
 def judge(cell: Cell, reference: Path) -> None:
     """Exact / within tolerance / not exact, from the two runs' metrics and saved models."""
     tolerance = BF16_LAYOUT if cell.precision == "bf16" else EQUAL_MATH
@@ -266,6 +279,8 @@ def judge(cell: Cell, reference: Path) -> None:
         problems.append(f"steps logged {sorted(ours)}, not 1-{STEPS} once each")
     problems += figure_problems(reference / "metrics.jsonl", cell.run_dir / "metrics.jsonl", FIGURES[cell.objective],
                                 tolerance.loss_atol)
+    if tolerance == EQUAL_MATH:  # bf16's rounding moves the weights, and with them a sample now and then
+        problems += sample_problems(reference, cell.run_dir)
     if cell.peft == "none":
         problems += logits_problems(cell.run_dir / "model", reference / "model", LOGITS_ATOL[cell.precision])
     else:

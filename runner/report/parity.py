@@ -104,8 +104,9 @@ def parity_problems(
         if ga is None or gb is None:
             problems.append(f"step {step}: grad_norm missing ({ga} vs {gb}); optim.max_grad_norm=0 logs none")
         elif abs(ga - gb) > grad_norm_rtol * abs(ga):
-            problems.append(f"step {step}: grad_norm {ga:.6g} vs {gb:.6g} ({abs(ga - gb) / abs(ga):.2%} apart, "
-                            f"allowed {grad_norm_rtol:.1%})")
+            # a reference norm of 0 (online RL's step whose groups all scored alike) allows none
+            apart = f"{abs(ga - gb) / abs(ga):.2%} apart" if ga else "the reference's is 0"
+            problems.append(f"step {step}: grad_norm {ga:.6g} vs {gb:.6g} ({apart}, allowed {grad_norm_rtol:.1%})")
     return problems
 
 

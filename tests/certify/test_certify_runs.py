@@ -148,6 +148,29 @@ def test_the_published_dpo_matrix_is_what_the_command_prints(tmp_path):
             assert not (runs / arch / "fp32_dpo_lora" / run / "reference_logps.pt").exists(), (arch, run)
 
 
+RL_PAGE = PAGE.parent / "rl.md"
+
+
+@pytest.mark.timeout(1800)
+def test_the_published_grpo_matrix_is_what_the_command_prints(tmp_path):
+    """Online RL under every strategy against one process, GPT-2, a grouped-query Llama and
+    a mixture of experts with its router loss: 7 prompts at 2 a step (an epoch ends mid-step),
+    a generation every 2 steps, the first leg's checkpoint at step 7 in the middle of one;
+    every step's loss, gradient norm, reward, reward_std, entropy and clip ratio, the saved
+    model's logits, and the samples (completions.jsonl) to the byte."""
+    out = tmp_path / "matrix.md"
+    done = certify("gpt2", "llama", "mixtral_router", "--objective", "grpo", "--work-dir", str(tmp_path / "runs"),
+                   "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = assert_published(out, RL_PAGE, "certify-grpo", "runner certify gpt2 llama mixtral_router --objective grpo")
+    assert text.count("| exact | exact | exact | exact |") == 3
+    runs = tmp_path / "runs"
+    for arch in ("gpt2", "llama", "mixtral_router"):
+        for run in ("ddp", "zero2", "zero3", "fsdp"):
+            assert (runs / arch / "fp32_grpo" / run / "completions.jsonl").read_bytes() == (
+                runs / arch / "fp32_grpo" / "reference" / "completions.jsonl").read_bytes(), (arch, run)
+
+
 @pytest.mark.timeout(2400)
 def test_the_published_joins_array_is_what_the_command_prints(tmp_path):
     """Every pair of the features' values in one cell at least (objective, data, packing,

@@ -34,7 +34,7 @@ def test_a_pair_that_cannot_meet_is_not_asked_for():
 def test_a_new_value_of_a_factor_joins_every_pair():
     """The next objective (say RLOO) meets every value of every other factor; and online RL
     (grpo), which joined as such a value, meets every one that applies to it (its rows are
-    its generations: never packed)."""
+    its generations: never packed; its layouts are held in fp32: joins.applies says why)."""
     grown = {**FACTORS, "objective": (*FACTORS["objective"], "rloo")}
     cells = pairwise.covering_array(grown, applies)
     for name, values in grown.items():
@@ -44,7 +44,7 @@ def test_a_new_value_of_a_factor_joins_every_pair():
             assert any(c["objective"] == "rloo" and c[name] == value for c in cells), (name, value)
     for name, values in FACTORS.items():
         for value in values:
-            if name in ("objective", "reference") or (name, value) == ("packing", "on"):
+            if name in ("objective", "reference") or (name, value) in (("packing", "on"), ("precision", "bf16")):
                 continue
             assert any(c["objective"] == "grpo" and c[name] == value for c in joins.cells()), (name, value)
 
