@@ -102,26 +102,35 @@ class GroupRelative(Objective):
             scores = completion_logps(scorer, rows.to(device), self.settings.temperature, entropy=False)[0]
         return scores.float().cpu()
 
+    def _loss_mask(self, buffer: Rollouts, index: torch.Tensor) -> torch.Tensor:
+        """[len(index), L] float: the completions' tokens the loss counts (the end-of-sequence
+        included; none of a truncated one's with rl.mask_truncated_completions)."""
+        length = buffer.completion_ids.shape[1]
+        mask = (torch.arange(length)[None, :] < buffer.lengths[index][:, None]).float()
+        if self.settings.mask_truncated_completions:
+            mask = mask * buffer.ended[index, None].float()
+        return mask
+
     def _rows(self, buffer: Rollouts, index: torch.Tensor) -> CompletionRows:
         g = self.settings.num_generations
         prompts = [self.source.prompts.ids[buffer.prompt_ids[int(c) // g]] for c in index]
         rows = completion_rows(prompts, buffer.completion_ids[index], buffer.lengths[index], self.pad_id)
-        if self.settings.mask_truncated_completions:
-            rows.mask = rows.mask * buffer.ended[index, None].float()
+        rows.mask = self._loss_mask(buffer, index)
         return rows
 
     # ------------------------------------------------------------------ training
     def open_window(self, window: Sequence[Batch], device: torch.device, all_ranks: bool) -> Window:
-        b = self.layout.global_batch
+        b, g = self.layout.global_batch, self.settings.num_generations
         step = int(window[0][SLOT][0]) // b
         buffer = self.rollouts(self.layout.generation_of(step))
         first = self.layout.share_of(step) * b
         step_index = torch.arange(first, first + b)
-        step_mask = self._rows(buffer, step_index).mask
+        # every rank holds the whole generation batch: the step's counts need no collective
+        generation_tokens = float(self._loss_mask(buffer, torch.arange(len(buffer.lengths))).sum())
         counts = {
             "completions": float(b),
-            "tokens": float(step_mask.sum().clamp(min=1)),
-            "normaliser": float(step_normaliser(self.settings.loss_type, b, float(self._generation_tokens(buffer)),
+            "tokens": float(self._loss_mask(buffer, step_index).sum().clamp(min=1)),
+            "normaliser": float(step_normaliser(self.settings.loss_type, b, generation_tokens,
                                                 self.layout.steps_per_generation, self.settings.max_completion_length)),
         }
         batches = []
@@ -129,12 +138,9 @@ class GroupRelative(Objective):
             index = batch[SLOT].cpu() % b + first
             batches.append({_ROWS: self._rows(buffer, index).to(device), _INDEX: index, _STEP: counts,
                             "micro_batches": len(window)})
-        real = (buffer.lengths[step_index].sum() + sum(len(self.source.prompts.ids[buffer.prompt_ids[int(c) // self.settings.num_generations]])
-                                                       for c in step_index))
-        return Window(batches, torch.as_tensor(int(real), dtype=torch.int64, device=device))
-
-    def _generation_tokens(self, buffer: Rollouts) -> torch.Tensor:
-        return self._rows(buffer, torch.arange(len(buffer.lengths))).mask.sum()
+        prompt_tokens = sum(len(self.source.prompts.ids[buffer.prompt_ids[int(c) // g]]) for c in step_index)
+        real = int(buffer.lengths[step_index].sum()) + prompt_tokens
+        return Window(batches, torch.as_tensor(real, dtype=torch.int64, device=device))
 
     def loss(self, model: Any, batch: Batch) -> MicroBatchLoss:
         rows: CompletionRows = batch[_ROWS]
