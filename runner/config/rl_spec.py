@@ -137,5 +137,6 @@ class RLSpec:
     """Leave completions that reached max_completion_length without an end-of-sequence
     out of the loss (DAPO)."""
     disable_dropout: bool = True
-    """Turn the policy's dropout off (TRL's default): generation and training then score
-    the same model, and the sampling log-probs equal the training pass's."""
+    """Turn the policy's dropout off: generation and training then score the same model, and
+    the sampling log-probs equal the training pass's. TRL 1.16's GRPOConfig keeps dropout
+    on by default (its DPOConfig turns it off); false keeps the model's dropout in training."""
