@@ -1,34 +1,30 @@
-"""Online RL (train.objective=grpo) in other layouts: each completion is drawn from its
+"""Online RL (train.objective=grpo) under accumulation: each completion is drawn from its
 own generator, seeded by (seed, generation, prompt, sample), one prompt's group a batch,
-so 2 processes and 1 x 8 accumulation sample exactly the completions one process samples
-(completions.jsonl equal to the byte), and train the same loss and gradient norm at
-every step, over an epoch boundary of a prompt count (6) that does not divide the 4
-prompts a step. Dropout is off (rl.disable_dropout, TRL's default): the sampling
-log-probs then equal the training pass's (sampling/logp_difference/mean within 1e-5)."""
+so 2 x 8 accumulation samples exactly the completions 16 x 1 samples (completions.jsonl
+equal to the byte) and trains the same loss and gradient norm at every step, over an
+epoch boundary of a prompt count (6) that does not divide the 4 prompts a step. With
+dropout off (rl.disable_dropout's default) the sampling log-probs equal the training
+pass's (sampling/logp_difference/mean within 1e-5). Two processes against one, under
+every strategy, resumed, with the same byte-for-byte samples: `runner certify --objective
+grpo` (tests/certify/test_certify_runs.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+from runs import run_cli
+
+pytestmark = pytest.mark.e2e
 
 COMMON = ["recipe=gpt2_grpo_tiny", "train.max_steps=3", "train.eval_every=0", "train.log_every=1",
           "data.max_train_samples=6", "data.max_eval_samples=2", "tracking=none"]
-ONE = ["train.per_device_batch_size=16"]
-LAYOUTS = {
-    "2 processes": ["train.per_device_batch_size=8", "launch.nproc_per_node=2"],
-    "2 x 8 accumulation": ["train.per_device_batch_size=2", "train.grad_accum_steps=8"],
-}
 
 
 def run(run_dir: Path, layout: list[str]) -> Path:
-    done = subprocess.run([sys.executable, "-m", "runner", *COMMON, *layout, f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, timeout=900)
+    done = run_cli([*COMMON, *layout, f"hydra.run.dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
@@ -38,14 +34,9 @@ def steps(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in lines if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    return run(tmp_path_factory.mktemp("grpo_reference") / "one", ONE)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-def test_every_layout_samples_and_trains_what_one_process_does(reference, tmp_path, layout):
-    other = run(tmp_path / "run", LAYOUTS[layout])
+def test_accumulation_samples_and_trains_what_one_micro_batch_does(tmp_path):
+    reference = run(tmp_path / "one", ["train.per_device_batch_size=16"])
+    other = run(tmp_path / "accumulated", ["train.per_device_batch_size=2", "train.grad_accum_steps=8"])
     assert (other / "completions.jsonl").read_bytes() == (reference / "completions.jsonl").read_bytes()
     mine, theirs = steps(other), steps(reference)
     assert sorted(mine) == sorted(theirs) == [1, 2, 3]
