@@ -36,7 +36,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from runner.certify import architectures
 from runner.certify.architectures import DEFAULT_ROWS, ROWS
@@ -96,6 +96,7 @@ OBJECTIVES: dict[str, tuple[str, ...]] = {
     "causal_lm": (),
     "dpo": ("objective=dpo", "data=austen_pref", "data.too_long=truncate"),
     "grpo": GRPO,
+    "rloo": ("objective=rloo", *GRPO[1:], "rl.num_generations=4"),  # RLOO's own beta 0.05: a frozen reference
 }
 # Each objective's logged figures held to the loss's allowance at every step, beside it.
 # (rewards/accuracies is left out: at step 1 every reward is 0 up to the rounding of a
@@ -104,6 +105,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "causal_lm": (),
     "dpo": ("rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"),
     "grpo": ("reward", "reward_std", "entropy", "clip_ratio/region_mean"),
+    "rloo": ("reward", "reward_std", "entropy", "clip_ratio/region_mean", "kl"),
 }
 
 
@@ -259,14 +261,20 @@ def _finished(run_dir: Path, step: int) -> bool:
 
 
 def sample_problems(reference: Path, run_dir: Path) -> list[str]:
-    """Online RL: the run sampled exactly the reference's completions, to the byte, its resume
-    included (completions.jsonl: every generation batch, with its rewards and advantages)."""
+    """Online RL: the run sampled exactly the reference's completions, each with its prompt
+    and reward, its resume included (completions.jsonl: every generation batch). Its
+    advantage is left to the loss's allowance: with a KL in the reward (RLOO's) it reads the
+    policy's log-probs, which another layout rounds otherwise."""
     theirs = reference / COMPLETIONS_FILENAME
     if not theirs.exists():
         return []
     ours = run_dir / COMPLETIONS_FILENAME
-    if not ours.exists() or ours.read_bytes() != theirs.read_bytes():
-        return [f"its {COMPLETIONS_FILENAME} is not the one process's, byte for byte"]
+
+    def samples(path: Path) -> list[dict[str, Any]]:
+        return [{k: v for k, v in json.loads(line).items() if k != "advantage"} for line in path.read_text().splitlines()]
+
+    if not ours.exists() or samples(ours) != samples(theirs):
+        return [f"its {COMPLETIONS_FILENAME} does not hold the one process's samples, prompts and rewards"]
     return []
 
 

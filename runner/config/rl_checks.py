@@ -17,17 +17,19 @@ from runner.config.spec import ObjectiveKind, RunSpec
 
 def check_rl(spec: RunSpec, world_size: Optional[int]) -> list[str]:
     rl, p = spec.rl, []
-    grpo = spec.train.objective is ObjectiveKind.grpo
+    kind = spec.train.objective
+    grpo = kind.online_rl
     prompts = row_format(spec.data) is DataFormat.prompts
     if grpo != prompts:
-        p.append("train.objective=grpo trains on data.format=prompts (a prompt and the columns its rewards read), and "
-                 "only it does: use objective=grpo with prompt data, or neither." if grpo else
-                 "data.format=prompts is trained by train.objective=grpo: add objective=grpo.")
+        p.append(f"train.objective={kind.value} trains on data.format=prompts (a prompt and the columns its rewards "
+                 "read), and only online RL does: use objective=grpo or rloo with prompt data, or neither." if grpo else
+                 "data.format=prompts is trained by online RL: add objective=grpo (or objective=rloo).")
     if not grpo:
         defaults = RLSpec()
         changed = [f"rl.{f.name}" for f in fields(RLSpec) if getattr(rl, f.name) != getattr(defaults, f.name)]
         if changed:
-            p.append(f"{', '.join(changed)} set, but train.objective is not grpo: add objective=grpo or remove them.")
+            p.append(f"{', '.join(changed)} set, but train.objective is not online RL: add objective=grpo (or rloo) or "
+                     "remove them.")
         return p
     if rl.num_generations < 2:
         p.append(f"rl.num_generations={rl.num_generations}: a group needs at least 2 completions (its mean is the "
@@ -38,7 +40,15 @@ def check_rl(spec: RunSpec, world_size: Optional[int]) -> list[str]:
             p.append(f"the global batch ({batch} completions: train.per_device_batch_size x {world_size} processes x "
                      f"accumulation) does not hold whole groups of rl.num_generations={rl.num_generations}: make it a "
                      "multiple of it (train.global_batch_size or train.per_device_batch_size).")
-    if rl.loss_type is RLLoss.bnpo:
+    if kind is ObjectiveKind.rloo:
+        defaults = RLSpec()
+        grpo_only = [f"rl.{name}" for name in ("loss_type", "importance_sampling_level", "scale_rewards",
+                                               "use_bias_correction_kl", "mask_truncated_completions")
+                     if getattr(rl, name) != getattr(defaults, name)]
+        if grpo_only:
+            p.append(f"{', '.join(grpo_only)} set: GRPO's, and objective=rloo's loss is RLOO's (a sequence ratio, the "
+                     "leave-one-out baseline, the KL in the reward): remove them, or use objective=grpo.")
+    elif rl.loss_type is RLLoss.bnpo:
         p.append("rl.loss_type=bnpo normalises over each micro-batch's own tokens, so its loss changes with the number "
                  "of processes and the accumulation: use rl.loss_type=dapo (normalised over the generation batch's "
                  "tokens).")

@@ -87,6 +87,12 @@ class ObjectiveKind(str, enum.Enum):
     causal_lm = "causal_lm"  # next-token cross-entropy over the trained tokens
     dpo = "dpo"  # preference optimisation on chosen/rejected pairs (PreferenceSpec's loss_type)
     grpo = "grpo"  # online RL: sampled completions scored by rewards, group-relative advantages (RLSpec)
+    rloo = "rloo"  # online RL: the same sampling and rewards, REINFORCE leave-one-out advantages (RLSpec)
+
+    @property
+    def online_rl(self) -> bool:
+        """It samples completions and learns from their rewards (rl.*, data.format=prompts)."""
+        return self in (ObjectiveKind.grpo, ObjectiveKind.rloo)
 
 
 class AttnImplementation(str, enum.Enum):

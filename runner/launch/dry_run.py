@@ -8,7 +8,7 @@ from runner.components.data import PreparedData
 from runner.components.stream import StreamedData
 from runner.components.rollouts import stream_layout
 from runner.config.batch import global_batch
-from runner.config.spec import ObjectiveKind, RunSpec, spec_to_yaml
+from runner.config.spec import RunSpec, spec_to_yaml
 from runner.launch.fit import Budget, Planner, gib, verdict_lines
 from runner.launch.memory_estimate import COMPARED_STRATEGIES, MemoryEstimate
 from runner.train.plan import RunPlan, batches_per_rank, plan_run
@@ -18,7 +18,7 @@ def report(spec: RunSpec, data: PreparedData | StreamedData, world_size: int, pl
     shape = planner.shape
     streamed = isinstance(data, StreamedData)
     train_blocks = 0 if streamed else len(data.train)  # a stream's length is unknown
-    if spec.train.objective is ObjectiveKind.grpo:  # its loader's rows: an epoch's completions, whole steps
+    if spec.train.objective.online_rl:  # its loader's rows: an epoch's completions, whole steps
         layout = stream_layout(train_blocks, spec.rl, global_batch(spec.train, world_size))
         train_blocks = layout.steps_per_epoch * layout.global_batch
     plan = plan_run(

@@ -218,7 +218,7 @@ class Planner:
         how, evaluated = numerics(strategy, precision), eval_batch or self.eval_batch(b)
         trace = self.trace(b, how)
         training = with_activations(states, trace, strategy, self.world, accum)
-        if s.train.objective is ObjectiveKind.grpo:  # sampling between steps: a group's KV cache and logits
+        if s.train.objective.online_rl:  # sampling between steps: a group's KV cache and logits
             training = with_generation(training, generation_bytes(self.config, s.rl.num_generations, self.block_size),
                                        strategy)
         if bounded_untraced and trace.chunked and evaluated <= b:

@@ -144,7 +144,7 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
     setup_logging(run_dir, accelerator.is_main_process, accelerator.process_index)
     block_size = resolve_block_size(spec.data, max_positions(built.config), built.tokenizer.model_max_length)
     data = load_data(spec, accelerator, built.tokenizer, block_size)  # 4
-    grpo = spec.train.objective is ObjectiveKind.grpo
+    grpo = spec.train.objective.online_rl
     rollouts = None
     if grpo:  # online RL: the loader hands out slots of the rollouts' stream (runner/train/rl_setup.py)
         loaders, rollouts = rollout_parts(spec, accelerator, built.tokenizer, data)
@@ -214,7 +214,7 @@ def build_seeded_model(spec: RunSpec) -> Built:
     if uses_adapters(spec.peft):
         model = add_adapters(spec.peft, model, spec.model.gradient_checkpointing)
     if (spec.train.objective is ObjectiveKind.dpo and spec.preference.disable_dropout) or (
-            spec.train.objective is ObjectiveKind.grpo and spec.rl.disable_dropout):
+            spec.train.objective.online_rl and spec.rl.disable_dropout):
         disable_dropout(model)  # TRL's default: the policy's, the adapters' included
     objective = objective_class(spec.train.objective)
     chunked, why_not = (install_chunked_loss(model, gpu_kernel=True) if spec.model.chunked_loss

@@ -171,6 +171,17 @@ def test_the_published_grpo_matrix_is_what_the_command_prints(tmp_path):
                 runs / arch / "fp32_grpo" / "reference" / "completions.jsonl").read_bytes(), (arch, run)
 
 
+@pytest.mark.timeout(1200)
+def test_the_published_rloo_matrix_is_what_the_command_prints(tmp_path):
+    """RLOO (the KL in the reward, a frozen reference prepared like the policy) under every
+    strategy against one process: the grpo matrix's prompts, generations and resume."""
+    out = tmp_path / "matrix.md"
+    done = certify("gpt2", "--objective", "rloo", "--work-dir", str(tmp_path / "runs"), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = assert_published(out, RL_PAGE, "certify-rloo", "runner certify gpt2 --objective rloo")
+    assert text.count("| exact | exact | exact | exact |") == 1
+
+
 @pytest.mark.timeout(2400)
 def test_the_published_joins_array_is_what_the_command_prints(tmp_path):
     """Every pair of the features' values in one cell at least (objective, data, packing,

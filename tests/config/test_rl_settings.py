@@ -19,7 +19,8 @@ from runner.config.validate import spec_problems
     (["rl.temperature=0"], "rl.temperature=0.0 must be above 0"),
     (["data.format=prompt_completion"], "train.objective=grpo trains on data.format=prompts"),
     (["recipe=gpt2_clm_tiny", "train.objective=grpo"], "train.objective=grpo trains on data.format=prompts"),
-    (["recipe=gpt2_clm_tiny", "rl.beta=0.1"], "rl.beta set, but train.objective is not grpo"),
+    (["recipe=gpt2_clm_tiny", "rl.beta=0.1"], "rl.beta set, but train.objective is not online RL"),
+    (["objective=rloo", "rl.loss_type=grpo"], "rl.loss_type set: GRPO's, and objective=rloo's loss is RLOO's"),
 ])
 def test_a_bad_rl_setting_is_refused_naming_the_fix(compose_spec, overrides, says):
     recipe = [] if any(o.startswith("recipe=") for o in overrides) else ["recipe=gpt2_grpo_tiny"]
@@ -27,8 +28,10 @@ def test_a_bad_rl_setting_is_refused_naming_the_fix(compose_spec, overrides, say
     assert any(says in problem for problem in problems), problems
 
 
-def test_the_recipe_is_valid(compose_spec):
+def test_the_recipe_is_valid_and_rloo_takes_trls_defaults(compose_spec):
     assert spec_problems(compose_spec("recipe=gpt2_grpo_tiny")) == []
+    rloo = compose_spec("objective=rloo", "data=arith", "rl.rewards=[{kind:exact_match,extract:last_number}]")
+    assert spec_problems(rloo) == [] and (rloo.rl.num_generations, rloo.rl.beta) == (2, 0.05)
 
 
 @pytest.mark.parametrize("overrides, says", [

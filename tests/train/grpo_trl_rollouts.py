@@ -1,5 +1,5 @@
 """The two sides of tests/train/test_grpo_vs_trl.py: runner's grpo run and TRL 1.16's
-GRPOTrainer, trained on the same fixed rollouts.
+GRPOTrainer (runner's rloo run and its RLOOTrainer), trained on the same fixed rollouts.
 
 Sampling is the one part the two cannot share (runner draws each completion from its own
 seeded generator, TRL from `generate`'s one stream), so both are handed the same fixed
@@ -24,7 +24,8 @@ use_bias_correction_kl as each case sets it, on by default on both sides), epsil
 built-in exact_match/last_number + regex, weighted 1 and 0.5; TRL's two functions
 computing the same, reward_weights [1, 0.5]). One TRL choice is random and is made the
 identity: it shuffles a generation batch's rows before splitting it into its steps
-(`shuffle_sequence_dict`); runner trains share k of the batch in group order.
+(`shuffle_sequence_dict`, which RLOOTrainer imports too); runner trains share k of the
+batch in group order.
 
 All prompts have the same token count (8): TRL left-pads a batch's prompts and gives the
 model no position ids, which would move a learned-position model's positions.
@@ -228,12 +229,9 @@ def runner_steps(run_dir: Path) -> list[dict]:
             if '"loss"' in line and '"eval_loss"' not in line]
 
 
-def trl_trainer(out: Path, model: Path, train_rows: Sequence[dict], order: Sequence[int], steps: int,
-                **options: Any) -> Any:
-    """TRL's GRPOTrainer on the prompts in `order` (runner's), with the shared settings."""
+def _trl_dataset_and_settings(train_rows: Sequence[dict], order: Sequence[int], steps: int) -> tuple[Any, dict]:
+    """The prompts in `order` (runner's) and the settings both TRL trainers share with runner."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     dataset = Dataset.from_list([dict(train_rows[i]) for i in order])
     settings: dict[str, Any] = dict(
@@ -243,8 +241,34 @@ def trl_trainer(out: Path, model: Path, train_rows: Sequence[dict], order: Seque
         optim="adamw_torch_fused", max_grad_norm=1.0, max_steps=steps, logging_steps=1, seed=SEED,
         shuffle_dataset=False, disable_dropout=True, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         eval_strategy="no", dataloader_num_workers=0, reward_weights=[1.0, 0.5])
+    return dataset, settings
+
+
+def trl_trainer(out: Path, model: Path, train_rows: Sequence[dict], order: Sequence[int], steps: int,
+                **options: Any) -> Any:
+    """TRL's GRPOTrainer on the prompts in `order` (runner's), with the shared settings."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    dataset, settings = _trl_dataset_and_settings(train_rows, order, steps)
     args = GRPOConfig(output_dir=str(out), **{**settings, **options})
     return GRPOTrainer(model=str(model), reward_funcs=[exact_match, has_digit], args=args, train_dataset=dataset,
+                       processing_class=AutoTokenizer.from_pretrained(model))
+
+
+def trl_rloo_trainer(out: Path, model: Path, train_rows: Sequence[dict], order: Sequence[int], steps: int,
+                     **options: Any) -> Any:
+    """TRL's RLOOTrainer on the prompts in `order` (runner's), with the shared settings
+    (num_generations G, not RLOOConfig's default 2; beta RLOOConfig's 0.05 unless set).
+    RLOOTrainer has GRPOTrainer's layout: generation batch of steps_per_generation steps,
+    shuffled by its own `shuffle_sequence_dict` import, scored through add_fused_lm_head
+    (the policy with log_probs and entropy, the reference with log_probs)."""
+    from transformers import AutoTokenizer
+    from trl import RLOOConfig, RLOOTrainer
+
+    dataset, settings = _trl_dataset_and_settings(train_rows, order, steps)
+    args = RLOOConfig(output_dir=str(out), **{**settings, **options})
+    return RLOOTrainer(model=str(model), reward_funcs=[exact_match, has_digit], args=args, train_dataset=dataset,
                        processing_class=AutoTokenizer.from_pretrained(model))
 
 

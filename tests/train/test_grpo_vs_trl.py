@@ -1,4 +1,5 @@
-"""train.objective=grpo against TRL 1.16's GRPOTrainer, end to end, on identical rollouts.
+"""train.objective=grpo against TRL 1.16's GRPOTrainer, and train.objective=rloo against its
+RLOOTrainer, end to end, on identical rollouts.
 
 Both trainers start from the same saved tiny model (fp32, dropout off) and train the same
 prompts in the same order on the same fixed completions (sampling is the one part they
@@ -8,7 +9,9 @@ Every step's loss, gradient norm, reward, reward_std, frac_reward_zero_std, the 
 means, entropy, kl (beta > 0) and clip ratios agree, for DAPO's loss (TRL's default) and
 grpo's, beta 0 and 0.04 (runner's frozen reference against TRL's ref_model), on GPT-2
 and Llama, and with two optimizer steps a generation batch, where the ratio leaves 1 and
-the clip acts.
+the clip acts. RLOO the same on GPT-2 (the tests at the end): beta 0.05 (both sides'
+default; kl, RLOO's k1 of the sampling pass, is a generation figure in TRL's log) and
+beta 0 at two steps a generation (the sequence ratio leaves 1, the clip acts).
 
 How close is close. TRL scores log-probs through its fused, chunked LM head
 (trl.trainer.utils.add_fused_lm_head; no GRPOConfig option turns it off, cast_lm_head_to_fp32
@@ -23,7 +26,12 @@ two-steps-a-generation run at lr 3e-2; runner against either TRL drifts by up to
 there, 1e-5 at lr 1e-3 (its rows are padded to a different width, so other GEMM shapes,
 and TRL's logged norm is fp32 arithmetic, ~1e-6 off at step 1). GRAD_NORM_TOLERANCE is
 that largest drift with a margin; a real difference is far outside it (the KL bias
-correction left out on one side alone moves the gradient norm by 2e-4 to 1e-3 at beta 0.04)."""
+correction left out on one side alone moves the gradient norm by 2e-4 to 1e-3 at beta 0.04).
+RLOOTrainer scores through the same fused head (policy and reference); in
+test_rloo_two_steps_a_generation_equal_trls TRL's RLOO against itself with exact scoring
+patched in drifts by 1.2e-5, runner against either by 2.2e-5 and 2.6e-5; a baseline that
+counts the completion itself moves the gradient norm by 25% at step 1, the KL penalty left
+out of the advantages by 9e-3 at step 2."""
 
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import pytest
 
 from grpo_trl_rollouts import (BATCH, G, SEED, FixedCompletions, exact_trl_scores, fused_head_gap, runner_command,
                                runner_order, runner_sampler, runner_steps, save_model, tokenizer_dir, trl_generate,
-                               trl_steps, trl_trainer, write_prompts)
+                               trl_rloo_trainer, trl_steps, trl_trainer, write_prompts)
 from runs import run_cli
 
 pytestmark = [pytest.mark.e2e]
@@ -76,11 +84,14 @@ def fixed_completions(*files: Path) -> FixedCompletions:
 
 
 def both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, runner_extra: tuple[str, ...] = (),
-         steps: int = STEPS, exact_trl: bool = False, **trl_options: object) -> tuple[list[dict], ...]:
+         steps: int = STEPS, exact_trl: bool = False, rloo: bool = False,
+         **trl_options: object) -> tuple[list[dict], ...]:
     """Runner's run and TRL's (and, with exact_trl, TRL's again with exact scoring patched
-    in), each on the fixed completions: every logged step of each."""
+    in), each on the fixed completions: every logged step of each. rloo: TRL's RLOOTrainer
+    (runner_extra then names objective=rloo), else its GRPOTrainer."""
     import transformers
     import trl.trainer.grpo_trainer as grpo_trainer
+    import trl.trainer.rloo_trainer as rloo_trainer
 
     from runner.distributed.accelerator import reset_accelerate_state
 
@@ -101,11 +112,13 @@ def both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, runner_extr
         theirs_fixed = fixed_completions(train, validation)
         with monkeypatch.context() as patch:
             patch.setattr(transformers.GenerationMixin, "generate", trl_generate(theirs_fixed))
-            patch.setattr(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)  # runner trains shares in order
+            module, cls, build = ((rloo_trainer, rloo_trainer.RLOOTrainer, trl_rloo_trainer) if rloo
+                                  else (grpo_trainer, grpo_trainer.GRPOTrainer, trl_trainer))
+            patch.setattr(module, "shuffle_sequence_dict", lambda batch: batch)  # runner trains shares in order
             if exact:
-                patch.setattr(grpo_trainer.GRPOTrainer, "_get_per_token_logps_and_entropies", exact_trl_scores)
+                patch.setattr(cls, "_get_per_token_logps_and_entropies", exact_trl_scores)
             try:
-                trainer = trl_trainer(tmp_path / f"trl_{exact}", model, rows, order, steps, **trl_options)
+                trainer = build(tmp_path / f"trl_{exact}", model, rows, order, steps, **trl_options)
                 results.append(trl_steps(trainer))
             finally:
                 reset_accelerate_state()  # TRL's Accelerator is no later in-process run's
@@ -114,18 +127,20 @@ def both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, runner_extr
 
 
 def assert_every_step_equal(ours: list[dict], theirs: list[dict], steps: int, beta: float, generation_every: int = 1,
-                            title: str = "runner vs TRL") -> dict[str, float]:
+                            title: str = "runner vs TRL", kl_at_generation: bool = False) -> dict[str, float]:
     """Every step's figures within the tolerances (the generation's figures within 1e-6:
-    the same rewards of the same strings); prints both sides, each gap and the largest."""
+    the same rewards of the same strings); prints both sides, each gap and the largest.
+    kl_at_generation: kl is a generation figure (RLOO's, of the sampling pass), not a step's."""
     assert len(ours) == len(theirs) == steps, (len(ours), len(theirs))
     names = ["loss", "grad_norm", "entropy", *GENERATION_FIGURES, *CLIPS] + (["kl"] if beta else [])
+    generation_figures = GENERATION_FIGURES + (("kl",) if kl_at_generation else ())
     worst: dict[str, float] = {}
     print(f"\n{title}\n{'step':>4} {'figure':<26} {'runner':>15} {'TRL':>15} {'gap':>9}")
     for step, (a, b) in enumerate(zip(ours, theirs), start=1):
         assert a["step"] == b["step"] == step
         generated = (step - 1) % generation_every == 0
         for name in names:
-            if name in GENERATION_FIGURES and not generated:
+            if name in generation_figures and not generated:
                 assert name not in b  # TRL logs the generation's figures at the steps that generate
                 continue
             if name == "grad_norm":
@@ -142,7 +157,9 @@ def assert_every_step_equal(ours: list[dict], theirs: list[dict], steps: int, be
     # Not two frozen copies agreeing: the rewards vary within groups and the model moves.
     assert any(b["reward_std"] > 0 for b in theirs if "reward_std" in b)
     assert all(b["grad_norm"] > 1e-3 for b in theirs)
-    if beta:
+    if beta and kl_at_generation:  # RLOO's k1 estimate of the sampling pass: 0 at the first, of any sign after
+        assert any(abs(b["kl"]) > 1e-6 for b in theirs if "kl" in b), [b.get("kl") for b in theirs]
+    elif beta:
         assert ours[-1]["kl"] > 0
     return worst
 
@@ -202,3 +219,41 @@ def test_two_steps_a_generation_equal_trls(tmp_path, monkeypatch, loss_type):
         assert_every_step_equal(runs[2], theirs, steps, 0.0, generation_every=2, title="TRL exact vs TRL fused head")
     assert any(b["clip_ratio/region_mean"] > 0 for b in theirs[1::2]), [b["clip_ratio/region_mean"] for b in theirs]
     assert any(abs(b["loss"]) > 1e-3 for b in theirs[1::2])  # off-policy steps: even grpo's loss leaves 0
+
+
+# --------------------------------------------------------------------------- RLOO against TRL's RLOOTrainer
+
+
+RLOO = ("objective=rloo", f"rl.num_generations={G}")  # the rloo group's default is RLOOConfig's 2
+RLOO_CASES = {
+    # name: (runner's overrides, TRL's options); beta 0.05 is both sides' default (conf/objective/rloo.yaml,
+    # RLOOConfig), the reference the starting weights on both (runner's frozen copy, TRL's ref_model loaded
+    # from the same folder)
+    "gpt2-rloo-beta0.05": (RLOO, {}),
+    # beta 0: test_rloo_two_steps_a_generation_equal_trls
+}
+
+
+@pytest.mark.parametrize("case", list(RLOO_CASES))
+def test_every_step_equals_trls_rloo_trainer(tmp_path, monkeypatch, case):
+    """One generation batch a step, the ratio 1: the loss is ~0 (leave-one-out advantages
+    sum to 0 in a group), the gradient norm discriminates; beta 0.05's kl (k1 of the
+    sampling pass, logged at generation) and its penalised rewards (frac_reward_zero_std)."""
+    runner_extra, trl_options = RLOO_CASES[case]
+    ours, theirs = both(tmp_path, monkeypatch, "gpt2", runner_extra, rloo=True, **trl_options)
+    assert_every_step_equal(ours, theirs, STEPS, float(trl_options.get("beta", 0.05)), title=case,
+                            kl_at_generation=True)
+
+
+def test_rloo_two_steps_a_generation_equal_trls(tmp_path, monkeypatch):
+    """rl.steps_per_generation=2 = TRL's steps_per_generation=2 (no accumulation), beta 0:
+    each second step trains the batch's second half under moved weights, so the sequence
+    ratio leaves 1 and, at this learning rate and epsilon, the clip acts."""
+    steps, lr, epsilon = 6, 1e-2, 0.05
+    ours, theirs = both(tmp_path, monkeypatch, "gpt2", RLOO + ("rl.beta=0", "rl.steps_per_generation=2",
+                                                               f"optim.lr={lr}", f"rl.epsilon={epsilon}"),
+                        steps=steps, rloo=True, beta=0.0, steps_per_generation=2, learning_rate=lr, epsilon=epsilon)
+    assert_every_step_equal(ours, theirs, steps, 0.0, generation_every=2, title="rloo beta 0, 2 steps a generation",
+                            kl_at_generation=True)
+    assert any(b["clip_ratio/region_mean"] > 0 for b in theirs[1::2]), [b["clip_ratio/region_mean"] for b in theirs]
+    assert any(abs(b["loss"]) > 1e-3 for b in theirs[1::2])  # off-policy steps: the loss leaves 0

@@ -12,6 +12,7 @@ from runner.components.objectives.base import Objective, ObjectiveSetup
 from runner.components.objectives.causal_lm import CausalLM
 from runner.components.objectives.dpo import DirectPreference
 from runner.components.objectives.grpo import GroupRelative
+from runner.components.objectives.rloo import LeaveOneOut
 from runner.config.spec import ObjectiveKind
 
 # One line an objective: its spec value and its class, built from the run's ObjectiveSetup.
@@ -19,6 +20,7 @@ OBJECTIVES: dict[ObjectiveKind, type[Objective]] = {
     ObjectiveKind.causal_lm: CausalLM,
     ObjectiveKind.dpo: DirectPreference,
     ObjectiveKind.grpo: GroupRelative,
+    ObjectiveKind.rloo: LeaveOneOut,
 }
 
 

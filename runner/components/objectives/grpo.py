@@ -29,8 +29,8 @@ from runner.components.chunked_loss import transformers_model
 from runner.components.objectives.dpo import router_coefficient
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.completion_scores import CompletionRows, completion_logps, completion_rows
-from runner.components.objectives.rl_loss import (figure_sums, group_advantages, loss_share, policy_terms, reward_figures,
-                                                  step_normaliser)
+from runner.components.objectives.rl_loss import (PolicyTerms, figure_sums, group_advantages, loss_share, policy_terms,
+                                                  reward_figures, step_normaliser)
 from runner.components.rollouts import Rollouts, RolloutSource
 
 SLOT = "slot"  # the loader's rows: a place in the run's stream of completions
@@ -66,21 +66,41 @@ class GroupRelative(Objective):
             self.model.eval()
             try:
                 self.buffer = buffer = self.source.generate(self.model, generation)
-                rl = self.settings
-                buffer.advantages = group_advantages(buffer.rewards, rl.num_generations, rl.scale_rewards)
-                summary = reward_figures(buffer.rewards, rl.num_generations, rl.scale_rewards)
-                buffer.figures.update(reward=float(summary.reward), reward_std=float(summary.reward_std),
-                                      frac_reward_zero_std=float(summary.frac_reward_zero_std))
-                if self.layout.steps_per_generation > 1 or self.layout.iterations > 1:
-                    self.buffer.old_logps = self._score_all(self.model)
+                if self.needs_old_logps():
+                    buffer.old_logps = self._score_all(self.model)
                 if self.settings.beta:
-                    self.buffer.ref_logps = self._score_all(self.reference)
+                    buffer.ref_logps = self._score_all(self.reference)
+                self.advantages(buffer)
             finally:
                 self.model.train(was_training)
                 self.generation_seconds += time.perf_counter() - started
             if self.on_generation is not None:
                 self.on_generation(self.buffer)
         return self.buffer
+
+    def needs_old_logps(self) -> bool:
+        """The policy's log-probs at generation are scored apart only when later steps train
+        on the batch (TRL: else the training pass's own, detached, are the old ones)."""
+        return self.layout.steps_per_generation > 1 or self.layout.iterations > 1
+
+    def advantages(self, buffer: Rollouts) -> None:
+        """The generation batch's advantages and reward figures (GRPO's: group-relative)."""
+        rl = self.settings
+        buffer.advantages = group_advantages(buffer.rewards, rl.num_generations, rl.scale_rewards)
+        summary = reward_figures(buffer.rewards, rl.num_generations, rl.scale_rewards)
+        buffer.figures.update(reward=float(summary.reward), reward_std=float(summary.reward_std),
+                              frac_reward_zero_std=float(summary.frac_reward_zero_std))
+
+    def terms(self, logps: torch.Tensor, old: torch.Tensor, ref: Optional[torch.Tensor], advantages: torch.Tensor,
+              mask: torch.Tensor, counts: dict[str, float]) -> tuple[PolicyTerms, torch.Tensor]:
+        """A micro-batch's loss terms and its share of the step's loss (GRPO's family)."""
+        rl = self.settings
+        terms = policy_terms(logps, old, ref, advantages, mask, loss_type=rl.loss_type, epsilon_low=rl.epsilon,
+                             epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high, beta=rl.beta,
+                             importance_sampling_level=rl.importance_sampling_level,
+                             bias_correction_kl=rl.use_bias_correction_kl)
+        share = loss_share(terms, mask, rl.loss_type, torch.as_tensor(counts["normaliser"], device=logps.device))
+        return terms, share
 
     @torch.no_grad()
     def _score_all(self, scorer: Any) -> torch.Tensor:
@@ -152,12 +172,7 @@ class GroupRelative(Objective):
         device = logps.device
         old = buffer.old_logps[index].to(device) if buffer.old_logps is not None else logps.detach()
         ref = buffer.ref_logps[index].to(device) if getattr(buffer, "ref_logps", None) is not None else None
-        rl = self.settings
-        terms = policy_terms(logps, old, ref, buffer.advantages[index].to(device), rows.mask, loss_type=rl.loss_type,
-                             epsilon_low=rl.epsilon, epsilon_high=rl.epsilon if rl.epsilon_high is None else rl.epsilon_high,
-                             beta=rl.beta, importance_sampling_level=rl.importance_sampling_level,
-                             bias_correction_kl=rl.use_bias_correction_kl)
-        share = loss_share(terms, rows.mask, self.settings.loss_type, torch.as_tensor(counts["normaliser"], device=device))
+        terms, share = self.terms(logps, old, ref, buffer.advantages[index].to(device), rows.mask, counts)
         undo, logged_by = self.processes * self.grad_accum_steps, self.processes * micro
         metrics: dict[str, torch.Tensor] = {}
         for name, (numerator, _) in figure_sums(terms, rows.mask, entropies).items():
