@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_vs_runner import REPO, TUNED_ENV, _env, _machine, _spawn  # noqa: E402
+from trainer_vs_runner import REPO, TUNED_ENV, _env, _machine, _spawn, in_work_folder  # noqa: E402
 
 RUNNER, TRL = "runner", "TRL"
 PROFILE_TOP = 15  # entries printed by --profile, by own time
@@ -395,12 +395,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         from runner.launch.cpus import usable_cpus
 
         args.threads = usable_cpus()
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-        compare(args, args.keep.resolve())
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
-        compare(args, Path(tmp))
+    in_work_folder(args.keep, "bench-grpo-", lambda folder: compare(args, folder))
 
 
 if __name__ == "__main__":

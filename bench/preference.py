@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed_targets import spawn_for_tensor_peak  # noqa: E402
-from trainer_vs_runner import REPO, TUNED_ENV, _env, _machine, _spawn  # noqa: E402
+from trainer_vs_runner import REPO, TUNED_ENV, _env, _machine, _spawn, in_work_folder  # noqa: E402
 
 TINY = {"n_embd": 64, "n_layer": 2, "n_head": 2}  # --tiny: GPT2Config's defaults otherwise
 PEAK_STEPS = 3  # the peak is step 2's (bench/tensor_peak)
@@ -304,12 +304,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 4)
     if not 1 <= args.warmup < args.steps or args.steps < PEAK_STEPS:
         parser.error(f"need 1 <= --warmup < --steps and --steps >= {PEAK_STEPS}")
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-        compare(args, args.keep.resolve())
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-preference-") as tmp:
-        compare(args, Path(tmp))
+    in_work_folder(args.keep, "bench-preference-", lambda folder: compare(args, folder))
 
 
 if __name__ == "__main__":

@@ -37,13 +37,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_vs_runner import REPO, TUNED_ENV, _env, _header, _spawn  # noqa: E402
+from trainer_vs_runner import REPO, TUNED_ENV, _env, _header, _spawn, in_work_folder  # noqa: E402
 
 TENSOR_PEAK_HOOK = Path(__file__).resolve().parent / "tensor_peak"
 SMALL = ""  # GPT2Config's defaults: GPT-2 small, 124M parameters
@@ -249,12 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         worker_trainer(args.steps, args.out, SMALL, args.bf16, block=args.block, batch=per_device, accumulation=accumulation)
         return
     chosen = versus_trainer if args.versus_trainer else compare
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
-        chosen(args, args.keep)
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
-        chosen(args, Path(tmp))
+    in_work_folder(args.keep, "bench-speed-", lambda folder: chosen(args, folder))
 
 
 if __name__ == "__main__":

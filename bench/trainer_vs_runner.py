@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK, BATCH = 128, 8
@@ -315,6 +315,16 @@ def _table(rows: list[tuple[str, dict[str, Any]]], runner: dict[str, Any]) -> st
         lines.append(f"{name:<36} | {r['tokens_per_s']:>15,.0f} | {r['first_step_s']:>22.2f} | {vs:>9}")
     lines.append("(vs runner = runner's steady tokens/s / this row's)")
     return "\n".join(lines)
+
+
+def in_work_folder(keep: Optional[Path], prefix: str, run: Callable[[Path], None]) -> None:
+    """`run` in the folder `keep` (made if missing, left behind: --keep) or in a temporary one."""
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+        run(keep.resolve())
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        run(Path(tmp))
 
 
 def _machine() -> str:
