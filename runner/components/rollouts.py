@@ -128,10 +128,8 @@ def prompt_tokens(tokenizer: Any, prompt: Any) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def prompt_set(rows: Any, field_name: str, tokenizer: Any, limit: Optional[int]) -> PromptSet:
+def prompt_set(rows: Any, field_name: str, tokenizer: Any) -> PromptSet:
     records = [dict(row) for row in rows]
-    if limit is not None:
-        records = records[:limit]
     return PromptSet(records, [prompt_tokens(tokenizer, record[field_name]) for record in records])
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from runner.components.adapters import uses_adapters
 from runner.components.data import PreparedData
-from runner.components.rollouts import RolloutSource, Rollouts, StreamLayout, prompt_set, stream_layout
+from runner.components.rollouts import RolloutSource, Rollouts, prompt_set, stream_layout
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, StrategyKind
 from runner.train.loaders import Loaders, prompt_loaders
@@ -21,7 +21,7 @@ COMPLETIONS_FILENAME = "completions.jsonl"
 def rollout_parts(spec: RunSpec, accelerator: Any, tokenizer: Any, data: PreparedData) -> tuple[Loaders, RolloutSource]:
     rl, world = spec.rl, accelerator.num_processes
     field = spec.data.prompt_field
-    train, evaluation = prompt_set(data.train, field, tokenizer, None), prompt_set(data.validation, field, tokenizer, None)
+    train, evaluation = prompt_set(data.train, field, tokenizer), prompt_set(data.validation, field, tokenizer)
     layout = stream_layout(len(train), rl, global_batch(spec.train, world))
     device = accelerator.device
     source = RolloutSource(
@@ -40,12 +40,12 @@ def rl_reference(spec: RunSpec, frozen: Callable[[], Any]) -> Any:
     return "adapter_off" if uses_adapters(spec.peft) else frozen().model
 
 
-def completions_writer(run_dir: Path, source: RolloutSource, layout: StreamLayout) -> Callable[[Rollouts], None]:
+def completions_writer(run_dir: Path, source: RolloutSource) -> Callable[[Rollouts], None]:
     """Rank 0 appends each generation batch's prompts, completions and rewards to
     completions.jsonl, the samples people want to read, each under the first step that
     trains it (metrics.jsonl's step numbers: a resume cuts both back to its step)."""
     path = run_dir / COMPLETIONS_FILENAME
-    g = source.settings.num_generations
+    g, layout = source.settings.num_generations, source.layout
 
     def write(buffer: Rollouts) -> None:
         texts = source.tokenizer.batch_decode([row[: int(n)].tolist() for row, n in zip(buffer.completion_ids, buffer.lengths)],

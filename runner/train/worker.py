@@ -182,7 +182,7 @@ def train(spec: RunSpec, launched: Optional[float] = None) -> dict[str, Any]:
                            loaders.sampler, plan, built, block_size, run_dir, optimizer_in_use,
                            data_record(spec, data), ledger, reference, rollouts)
     if rollouts is not None and accelerator.is_main_process:
-        trainer.objective.on_generation = completions_writer(run_dir, rollouts, rollouts.layout)  # type: ignore[attr-defined]
+        trainer.objective.on_generation = completions_writer(run_dir, rollouts)  # type: ignore[attr-defined]
     recorded = restore_random_state(spec, accelerator, trainer, run_dir, built.config)  # 7
     if spec.tracking.value != "none":
         accelerator.init_trackers(spec.name, config=tracker_hparams(spec), init_kwargs=tracker_kwargs(trainer.state.step))
