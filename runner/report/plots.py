@@ -1,4 +1,4 @@
-"""Loss curves from metrics.jsonl, as a PNG people look at instead of reading logs."""
+"""Loss curves (and online RL's reward) from metrics.jsonl, as a PNG people look at instead of reading logs."""
 
 from __future__ import annotations
 
@@ -28,20 +28,33 @@ def plot_loss_curves(metrics_path: Path, out_path: Path, title: str = "") -> Opt
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1.4)
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss", linewidth=1.4, markersize=4)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = curves(read_metrics(metrics_path))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), dpi=110, squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels.items()):
+        for label, points in series.items():
+            if points:
+                ax.plot(*zip(*points), "o-" if label.startswith("eval") else "-", label=label, linewidth=1.4,
+                        markersize=4)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0][0].set_title(title)
     fig.tight_layout()
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def curves(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """The plot's panels, each its y label and its lines of (step, value): the losses, and
+    for online RL the mean reward, trained and evaluated (the curve its users watch)."""
+    def series(name: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+
+    panels = {"loss": {"train loss": series("loss"), "eval loss": series("eval_loss")}}
+    if any("reward" in r for r in rows):
+        panels["mean reward"] = {"train reward": series("reward"), "eval reward": series("eval_reward")}
+    else:
+        panels = {"cross-entropy loss (nats/token)": panels["loss"]}
+    return panels
