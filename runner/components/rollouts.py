@@ -119,18 +119,21 @@ class PromptSet:
         return len(self.records)
 
 
-def prompt_tokens(tokenizer: Any, prompt: Any) -> list[int]:
-    """A prompt's ids: a string as the tokenizer encodes it; messages through the chat
-    template with the generation prompt (as TRL renders them)."""
+def prompt_tokens(tokenizer: Any, prompt: Any, as_chat: bool = False) -> list[int]:
+    """A prompt's ids: a string as the tokenizer encodes it (with `as_chat`, rl.chat_prompts,
+    as the user's one message); messages through the chat template with the generation
+    prompt (as TRL renders them)."""
+    if as_chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list):
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt)["input_ids"])
 
 
-def prompt_set(rows: Any, field_name: str, tokenizer: Any) -> PromptSet:
+def prompt_set(rows: Any, field_name: str, tokenizer: Any, as_chat: bool = False) -> PromptSet:
     records = [dict(row) for row in rows]
-    return PromptSet(records, [prompt_tokens(tokenizer, record[field_name]) for record in records])
+    return PromptSet(records, [prompt_tokens(tokenizer, record[field_name], as_chat) for record in records])
 
 
 @dataclass

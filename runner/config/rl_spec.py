@@ -104,6 +104,10 @@ class RLSpec:
     prompt is the record's data.prompt_field (a string, or {role, content} messages
     formatted by the chat template with the generation prompt); every other field of the
     record reaches the rewards under its own name."""
+    chat_prompts: bool = False
+    """A prompt that is text is sent as the user's one message through the tokenizer's chat
+    template, with the generation prompt (an instruct model's format; GSM8K's questions).
+    Messages always are. The rewards see the record's text as it is."""
     num_generations: int = 8
     """Completions per prompt (G): a group, whose rewards' mean is the baseline. At least 2;
     the global batch (completions per optimizer step) must hold whole groups."""

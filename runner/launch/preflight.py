@@ -299,7 +299,7 @@ def check_prompt_lengths(spec: RunSpec, data: PreparedData, tokenizer: Any) -> i
 
     build_rewards(spec.rl.rewards, spec.rl.max_completion_length)  # a BadReward is a UserError: one line
     positions = max_positions(build_config(spec.model))
-    longest = max(len(prompt_tokens(tokenizer, row[spec.data.prompt_field]))
+    longest = max(len(prompt_tokens(tokenizer, row[spec.data.prompt_field], spec.rl.chat_prompts))
                   for split in (data.train, data.validation) for row in split)
     if positions is not None and longest + spec.rl.max_completion_length > positions:
         raise UserError(f"the longest prompt ({longest} tokens) + rl.max_completion_length="

@@ -37,7 +37,7 @@ MATH = frozenset({
     "data.chosen_field", "data.rejected_field", "preference.loss_type", "preference.beta",
     "preference.label_smoothing", "preference.gamma", "preference.reference", "preference.disable_dropout",
     # online RL: other samples, rewards or loss
-    "rl.rewards", "rl.num_generations", "rl.max_completion_length", "rl.temperature", "rl.loss_type",
+    "rl.rewards", "rl.chat_prompts", "rl.num_generations", "rl.max_completion_length", "rl.temperature", "rl.loss_type",
     "rl.importance_sampling_level", "rl.epsilon", "rl.epsilon_high", "rl.beta", "rl.use_bias_correction_kl", "rl.scale_rewards",
     "rl.steps_per_generation", "rl.num_iterations", "rl.mask_truncated_completions", "rl.disable_dropout",
     "precision.kind",

@@ -21,7 +21,7 @@ COMPLETIONS_FILENAME = "completions.jsonl"
 def rollout_parts(spec: RunSpec, accelerator: Any, tokenizer: Any, data: PreparedData) -> tuple[Loaders, RolloutSource]:
     rl, world = spec.rl, accelerator.num_processes
     field = spec.data.prompt_field
-    train, evaluation = prompt_set(data.train, field, tokenizer), prompt_set(data.validation, field, tokenizer)
+    train, evaluation = (prompt_set(split, field, tokenizer, rl.chat_prompts) for split in (data.train, data.validation))
     layout = stream_layout(len(train), rl, global_batch(spec.train, world))
     device = accelerator.device
     source = RolloutSource(

@@ -28,6 +28,13 @@ def test_a_bad_rl_setting_is_refused_naming_the_fix(compose_spec, overrides, say
     assert any(says in problem for problem in problems), problems
 
 
+def test_the_connected_recipe_composes_and_validates_offline(compose_spec):
+    spec = compose_spec("recipe=qwen_grpo_lora")
+    assert spec_problems(spec) == []
+    assert (spec.data.dataset_name, spec.data.prompt_field, spec.rl.chat_prompts) == ("openai/gsm8k", "question", True)
+    assert spec.peft.kind.value == "lora" and spec.rl.rewards[0].extract.value == "last_number"
+
+
 def test_the_recipe_is_valid_and_rloo_takes_trls_defaults(compose_spec):
     assert spec_problems(compose_spec("recipe=gpt2_grpo_tiny")) == []
     rloo = compose_spec("objective=rloo", "data=arith", "rl.rewards=[{kind:exact_match,extract:last_number}]")
