@@ -68,7 +68,7 @@ PROFILE_PARTS = {
     RUNNER: [("runner.components.rollouts", "generate", "generation batch (RolloutSource.generate)"),
              ("runner.components.generation", "sample_group", "  sampling loop (sample_group)"),
              ("modeling_gpt2", "forward", "GPT-2 forwards, generating and training"),
-             ("~", "<built-in method torch.multinomial>", "  torch.multinomial"),
+             ("runner.components.generation", "_draw", "  the draw (a uniform a row, inverse CDF)"),
              ("runner.components.rewards", "score_all", "  rewards"),
              ("runner.components.objectives.completion_scores", "completion_logps", "training pass's log-probs"),
              ("torch._tensor", "backward", "backward"),
