@@ -162,6 +162,12 @@ class RolloutSource:
         """The longest training row: the longest prompt and a whole completion."""
         return max(len(ids) for ids in self.prompts.ids) + self.settings.max_completion_length
 
+    @property
+    def pad_id(self) -> int:
+        """What pads a completion past its end: the tokenizer's pad token, else its end-of-sequence."""
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else self.eos_ids()[0]
+
     def eos_ids(self) -> list[int]:
         eos = self.tokenizer.eos_token_id
         return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
@@ -189,12 +195,11 @@ class RolloutSource:
         sampling log-probs [n, L])."""
         g, length = self.settings.num_generations, self.settings.max_completion_length
         prompts = prompts if prompts is not None else self.prompts
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids()[0]
 
         def one(q: int) -> tuple[torch.Tensor, ...]:
             pid = prompt_ids[q]
             seeds = [sample_seed(self.seed, generation, pid, i) for i in range(g)]
-            group = sample_group(model, prompts.ids[pid], seeds, length, self.settings.temperature, self.eos_ids(), pad,
+            group = sample_group(model, prompts.ids[pid], seeds, length, self.settings.temperature, self.eos_ids(), self.pad_id,
                                  lockstep=self.lockstep)
             return group.completion_ids, group.lengths, group.ended.long(), group.logps
 

@@ -53,9 +53,7 @@ class GroupRelative(Objective):
         self.generation_seconds = 0.0  # not yet booked by the ledger (take_timings)
         self.router_coefficient = router_coefficient(transformers_model(setup.model))
         self.on_generation: Any = None  # called with each new generation batch (completions.jsonl)
-        self.pad_id = self.source.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.source.eos_ids()[0]
+        self.pad_id = self.source.pad_id
 
     # ------------------------------------------------------------------ generation
     def rollouts(self, generation: int) -> Rollouts:
