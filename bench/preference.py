@@ -62,12 +62,12 @@ TRL_MODEL, TRL_PRECOMPUTED = "TRL, reference model", "TRL, precompute_ref_log_pr
 # ============================================================== TRL's side (a subprocess)
 def runner_pairs(spec: Any) -> Any:
     """The preference records a runner run with this spec trains on, as a datasets.Dataset:
-    its train split's records (runner.components.data.load_raw), less the pairs runner
+    its train split's records (runner.components.data.prepare.load_raw), less the pairs runner
     drops (equal answers; too_long=drop's over-long ones), the first max_train_samples."""
     from transformers import AutoTokenizer
 
-    from runner.components.data import load_raw
-    from runner.components.preference_data import fit_pair_to_block, preference_record_row
+    from runner.components.data.prepare import load_raw
+    from runner.components.data.preference import fit_pair_to_block, preference_record_row
 
     data = spec.data
     raw = load_raw(data)["train"]

@@ -3,7 +3,7 @@ bench/preference.py and tests/train/test_preference_vs_trl.py (trl is a dev extr
 
 One process on the CPU in fp32, no saving, no evaluation, no reporting, no loader
 workers, no accumulation, and the pairs fed in the order given (runner's epoch order,
-runner.components.epoch_batches.EpochSampler), not TRL's own shuffle. Everything a caller compares
+runner.components.data.epoch_batches.EpochSampler), not TRL's own shuffle. Everything a caller compares
 (batch, learning rate, schedule, optimizer, loss, max_length, dropout, reference) is its
 own argument, passed to DPOConfig as is.
 """
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 def runner_order(count: int, seed: int) -> list[int]:
     """The order in which a one-process runner run takes `count` rows in its first epoch."""
-    from runner.components.epoch_batches import EpochSampler
+    from runner.components.data.epoch_batches import EpochSampler
 
     return list(EpochSampler(count, seed))
 

@@ -69,7 +69,7 @@ def test_saved_model_matches_the_final_eval(micro_run):
     """The weights in model/ are the trained ones: their eval loss equals the reported one."""
     from transformers import AutoModelForCausalLM
 
-    from runner.components.data import prepare
+    from runner.components.data.prepare import prepare
     from runner.config.spec import load_spec
 
     run_dir, _ = micro_run

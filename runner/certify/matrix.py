@@ -62,7 +62,7 @@ STEPS = 12
 CUT = 7  # an odd step, mid-epoch (5 steps an epoch)
 NPROC = 2
 # 34 blocks of 32 tokens at a global batch of 8: 5 steps an epoch, the last of 2 blocks
-# (at 2 x 4, rank 0's batch half fillers and rank 1's all: runner/components/epoch_batches.py),
+# (at 2 x 4, rank 0's batch half fillers and rank 1's all: runner/components/data/epoch_batches.py),
 # so 12 steps cross two epoch boundaries; the first leg's checkpoint (step 7) sits mid-epoch. A constant rate
 # after warm-up: the first leg, planned for 7 steps, then takes the rates of the 12-step
 # reference (a decaying schedule is planned over max_steps).

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.components import liger_loss
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.labels import IGNORE_INDEX
 from runner.components.liger_loss import HeadLoss
 
 # Tokens a chunk holds: at least MIN_CHUNK_TOKENS, more where their fp32 logits stay

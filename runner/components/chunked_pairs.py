@@ -2,7 +2,7 @@
 log-probs over chunks of pairs, forward and backward.
 
 A preference micro-batch of P pairs is 2P sequences (chosen rows 0..P-1, rejected rows
-P..2P-1: runner/components/preference_batch.py). Its plain loss holds the logits of all
+P..2P-1: runner/components/data/preference_batch.py). Its plain loss holds the logits of all
 2P sequences, their log-softmax and, in backward, their gradient: 3 x 2P x tokens x
 vocabulary x 4 bytes (GPT-2, 4 pairs of 1,024 tokens: 4.9 GB). A preference loss is a
 sum over pairs of a term of that pair's two log-prob sums (and constants: the reference's
@@ -29,8 +29,8 @@ from runner.components.chunked_loss import (
     check_positions,
     shifted_labels,
 )
-from runner.components.labels import IGNORE_INDEX, token_losses
-from runner.components.preference_batch import SEQUENCE_IDS, pairs_in
+from runner.components.data.labels import IGNORE_INDEX, token_losses
+from runner.components.data.preference_batch import SEQUENCE_IDS, pairs_in
 
 # (chosen log-probs, rejected log-probs, chosen tokens, rejected tokens, which pairs) of a
 # chunk of pairs -> their part of the micro-batch's loss (a differentiable scalar).

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.labels import IGNORE_INDEX
 
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
 

@@ -96,7 +96,7 @@ def select_device() -> int:
         # DeepSpeed's engine calls set_device(int(LOCAL_RANK)) itself: with one GPU per
         # task that ordinal must be the task's only device. Accelerate's local process
         # index follows, so every task is its node's "local main" (each then reads the
-        # data cache under its lock; see runner/components/data.py).
+        # data cache under its lock; see runner/components/data/prepare.py).
         os.environ["LOCAL_RANK"] = str(index)
     return index
 

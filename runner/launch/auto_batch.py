@@ -3,7 +3,7 @@ the user gave. The plan proposes it (runner/launch/fit.py); a two-step probe run
 micro-batch, in a scratch folder, on the same workers and strategy, confirms that its
 measured peak stays within the budget (else the next smaller micro-batch is tried). The
 accumulation is then derived from the global batch, so the learning-rate schedule and
-the sample order (runner/components/data.py's sampler deals global batches) do not
+the sample order (runner/components/data/prepare.py's sampler deals global batches) do not
 depend on the choice: a resume on other hardware may choose again, as any layout change.
 
 The probe runs no evaluation; the plan counts it (fit.Planner): an evaluation batch left

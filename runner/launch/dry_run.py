@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runner.components.data import PreparedData
-from runner.components.stream import StreamedData
+from runner.components.data.prepare import PreparedData
+from runner.components.data.stream import StreamedData
 from runner.components.rollouts import stream_layout
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, spec_to_yaml

@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from runner.components.adapters import add_adapters, uses_adapters
-from runner.components.data import PreparedData, prepare, resolve_block_size
-from runner.components.data_checks import check_data_files as check_files
-from runner.components.prompt_data import prepare_prompts
-from runner.components.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
+from runner.components.data.prepare import PreparedData, prepare, resolve_block_size
+from runner.components.data.checks import check_data_files as check_files
+from runner.components.data.prompts import prepare_prompts
+from runner.components.data.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
 from runner.components.model import (
     build_config,
     build_meta_model,

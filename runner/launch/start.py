@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from runner.components.stream import StreamedData
+from runner.components.data.stream import StreamedData
 from runner.config.batch import accumulation_for
 from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
 from runner.launch import failure_notes

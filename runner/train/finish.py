@@ -17,9 +17,9 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
-from runner.components.data import PreparedData
+from runner.components.data.prepare import PreparedData
 from runner.components.model import build_config, build_model
-from runner.components.stream import StreamedData, blocks_handed_out
+from runner.components.data.stream import StreamedData, blocks_handed_out
 from runner.config.mixture import shares_asked
 from runner.config.spec import RunSpec
 from runner.distributed.accelerator import unwrap
@@ -85,9 +85,9 @@ def mixture_results(spec: RunSpec, data: PreparedData, plan: Any, steps: int) ->
     """Per source: the prepared rows and tokens, its rows in the mixture, the share its
     weight asked, and the shares of examples and tokens the run trained, in closed form
     from the schedule: global step k trains rows [k * global batch, (k + 1) * global
-    batch) of its epoch's order (runner/components/epoch_batches.py), an epoch's last
+    batch) of its epoch's order (runner/components/data/epoch_batches.py), an epoch's last
     step the rest."""
-    from runner.components.epoch_batches import EpochSampler
+    from runner.components.data.epoch_batches import EpochSampler
 
     rows, per_step = len(data.train), plan.global_batch_size
     full, partial = divmod(steps, max(plan.steps_per_epoch, 1))

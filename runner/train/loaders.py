@@ -16,11 +16,11 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from runner.components.data import PreparedData, collate, collate_for
-from runner.components.data import prepare as prepare_data
-from runner.components.prompt_data import prepare_prompts
-from runner.components.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
-from runner.components.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
+from runner.components.data.prepare import PreparedData, collate, collate_for
+from runner.components.data.prepare import prepare as prepare_data
+from runner.components.data.prompts import prepare_prompts
+from runner.components.data.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
+from runner.components.data.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.config.batch import eval_batch_size
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.spec import DataFormat, RunSpec
@@ -61,7 +61,7 @@ def load_data(spec: RunSpec, accelerator: Accelerator, tokenizer: Any, block_siz
                          f"({figure.mixed_tokens:,} tokens, {figure.mixed_examples / max(len(data.train), 1):.1%}) "
                          f"in the mixture, {figure.share_asked:.1%} asked")
         for split, c in (data.counts or {}).items():
-            if "pairs" in c:  # preference data: pairs, one a row (runner/components/preference_data.py)
+            if "pairs" in c:  # preference data: pairs, one a row (runner/components/data/preference.py)
                 log.info(f"data: {split}: {c['pairs']:,} pairs ({c['truncated']:,} truncated, {c['dropped']:,} dropped "
                          f"as longer than {block_size} tokens, {c['same_answers_dropped']:,} with equal answers "
                          f"dropped); {c['trained_tokens']:,} of {c['tokens']:,} tokens trained; "
@@ -99,7 +99,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: i
         )
     else:
         sampler = EpochSampler(len(data.train), t.seed)  # same order on every rank; Accelerate shards it
-        # The epoch's last round completed by fillers, never by duplicates (runner/components/epoch_batches.py).
+        # The epoch's last round completed by fillers, never by duplicates (runner/components/data/epoch_batches.py).
         train_loader = DataLoader(
             WithFillers(data.train), batch_sampler=EpochBatches(sampler, t.per_device_batch_size, world_size),
             collate_fn=masking_fillers(batches), num_workers=t.dataloader_num_workers,
@@ -107,7 +107,7 @@ def make_loaders(spec: RunSpec, data: PreparedData | StreamedData, world_size: i
             pin_memory=pin,
         )
     if (isinstance(data, PreparedData) and data.mixture is not None) or (isinstance(data, StreamedData) and data.sources):
-        from runner.components.mixture import keeping_sources
+        from runner.components.data.mixture import keeping_sources
 
         evaluation_batches = keeping_sources(batches)  # each source's loss is reported too
     else:

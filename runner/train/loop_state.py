@@ -51,8 +51,20 @@ class LoopState:
         return 0 if self.real_tokens is None else int(self.real_tokens)
 
 
+# A figure named `.../max` (MicroBatchLoss.metrics) is a maximum, not a mean: over the
+# step's micro-batches, the window's steps and the ranks alike.
+MAX_SUFFIX = "/max"
+
+
+def is_max(name: str) -> bool:
+    return name.endswith(MAX_SUFFIX)
+
+
 def _add(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
-    sums[name] = value if name not in sums else sums[name] + value
+    if name not in sums:
+        sums[name] = value
+    else:
+        sums[name] = torch.maximum(sums[name], value) if is_max(name) else sums[name] + value
 
 
 def add_micro_batch(state: LoopState, logged: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
@@ -73,7 +85,7 @@ def close_step(state: LoopState) -> None:
     s.loss_sum = s.step_sum / count if s.loss_sum is None else s.loss_sum + s.step_sum / count
     s.loss_count += 1
     for name, value in s.step_metric_sums.items():
-        _add(s.metric_sums, name, value / count)
+        _add(s.metric_sums, name, value if is_max(name) else value / count)
     s.step_sum, s.step_micro_batches, s.step_metric_sums = None, 0, {}
 
 
@@ -147,5 +159,6 @@ def restore_loop_state(state: LoopState, meta: dict[str, Any], plan: RunPlan, ac
             scale = 1.0 if by_steps else steps / count
             s.loss_count = steps
             s.loss_sum = torch.tensor(sum(sums) / len(sums) * scale, device=accelerator.device)
-            s.metric_sums = {name: torch.tensor(sum(values) / len(values) * scale, device=accelerator.device)
+            s.metric_sums = {name: torch.tensor(max(values) if is_max(name) else sum(values) / len(values) * scale,
+                                                device=accelerator.device)
                              for name, values in metric_sums.items()}

@@ -94,7 +94,7 @@ class RunPlan:
 
 def batches_per_rank(n_blocks: int, per_device_batch_size: int, world_size: int) -> int:
     """Accelerate shards whole batches round-robin; the last round is completed with
-    fillers (runner/components/epoch_batches.py), so every rank runs as many."""
+    fillers (runner/components/data/epoch_batches.py), so every rank runs as many."""
     return math.ceil(math.ceil(n_blocks / per_device_batch_size) / world_size)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from runner.report.metrics import MetricsWriter, current_memory_mb, window_peak_memory_mb
-from runner.train.loop_state import LoopState
+from runner.train.loop_state import LoopState, is_max
 from runner.train.parts import LoopSettings, TrainData
 from runner.train.plan import RunPlan
 
@@ -48,10 +48,16 @@ class Reports:
         mean = self.accelerator.reduce(s.loss_sum / s.loss_count, reduction="mean").item()
         s.total_loss += mean * window_steps
         s.total_loss_steps += window_steps
-        self.metric_means = {name: self.accelerator.reduce(value / s.loss_count, reduction="mean").item()
-                             for name, value in s.metric_sums.items()}
+        self.metric_means = {name: self._over_ranks(name, value, s.loss_count) for name, value in s.metric_sums.items()}
         s.loss_sum, s.loss_count, s.metric_sums = None, 0, {}
         return mean
+
+    def _over_ranks(self, name: str, value: torch.Tensor, steps: int) -> float:
+        """A figure of the window: the ranks' mean of its mean over the steps, or for a
+        `.../max` figure the largest any rank saw."""
+        if is_max(name):
+            return self.accelerator.gather(value.float().reshape(1)).max().item()
+        return self.accelerator.reduce(value / steps, reduction="mean").item()
 
     def log_step(self, window_steps: int, elapsed: float, grad_norm: Optional[torch.Tensor], lr: float,
                  loss_scale: Optional[float]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
 from runner.components.objectives import reported_figures
 from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
-from runner.components.stream import training_files, training_files_changes
+from runner.components.data.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec
@@ -79,7 +79,7 @@ def layout_change_problems(old: RunSpec, new: RunSpec, old_world: int, new_world
         problems.append(f"layout {shown}: the checkpoint's position ({marker['samples_in_epoch']} samples into the "
                         "epoch) is not a whole number of this layout's micro-batches")
     # An epoch's short last step is the same samples in every layout (fillers complete the
-    # last round: runner/components/epoch_batches.py), so the sample count needs no check.
+    # last round: runner/components/data/epoch_batches.py), so the sample count needs no check.
     return problems
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from runner.components.adapters import uses_adapters
-from runner.components.data import PreparedData
+from runner.components.data.prepare import PreparedData
 from runner.components.rollouts import RolloutSource, Rollouts, prompt_set, stream_layout
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, StrategyKind

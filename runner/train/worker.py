@@ -39,10 +39,10 @@ from runner.components.chunked_loss import ChunkedLoss
 from runner.components.compile import compile_layers
 from runner.components.chunked_loss import install as install_chunked_loss
 from runner.components.liger_loss import gpu_present
-from runner.components.instruct import check_packing
-from runner.components.data import resolve_block_size
-from runner.components.epoch_batches import EpochSampler
-from runner.components.stream import BadRecord, BlockStream, StreamedData
+from runner.components.data.instruct import check_packing
+from runner.components.data.prepare import resolve_block_size
+from runner.components.data.epoch_batches import EpochSampler
+from runner.components.data.stream import BadRecord, BlockStream, StreamedData
 from runner.components.objectives import build_objective, objective_class
 from runner.components.objectives.frozen import frozen_reference
 from runner.components.objectives.reference import build_reference

@@ -320,7 +320,7 @@ def test_evaluation_scores_equal_the_plain_logits(model_type):
     """Evaluation through the chunked head gives each token's loss, the trained mask and
     the correct predictions of the plain logits (the losses within float rounding, 1e-5,
     as training's per-token losses above)."""
-    from runner.components.labels import token_losses
+    from runner.components.data.labels import token_losses
 
     plain = tiny(model_type)
     chunked_model = copy.deepcopy(plain)

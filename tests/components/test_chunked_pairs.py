@@ -19,7 +19,7 @@ from runner.components.model import build_config
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.dpo import DirectPreference
 from runner.components.objectives.reference import Precomputed, sequence_logps
-from runner.components.preference_batch import pad_pairs
+from runner.components.data.preference_batch import pad_pairs
 from runner.config.spec import ModelSpec, PreferenceLoss, PreferenceSpec
 
 PAIRS = 5

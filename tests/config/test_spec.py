@@ -78,7 +78,7 @@ def test_gpt2_clm_offline_names_the_fix(compose_spec):
 def test_the_dpo_lora_recipe_is_a_valid_run_spec_offline(compose_spec, tmp_path):
     """recipe=qwen_dpo_lora composes and validates to the run spec it says (the model and
     the data are the hub's: the launcher's pre-flight names the way out offline, as for
-    gpt2_clm); its data is read from a local copy in tests/components/test_preference_data.py."""
+    gpt2_clm); its data is read from a local copy in tests/components/data/test_preference.py."""
     from runner.config.spec import DataFormat, ObjectiveKind, PeftKind, PreferenceLoss, ReferenceMode
     from runner.config.validate import spec_problems
     from runner.launch.preflight import check_data_files

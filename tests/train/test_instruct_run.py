@@ -49,7 +49,7 @@ def real_tokens_of_first_rows(compose_spec, packing: bool, rows: int) -> int:
     """The non-padding tokens of the recipe's first training rows, read off the cache."""
     from transformers import AutoTokenizer
 
-    from runner.components.data import prepare
+    from runner.components.data.prepare import prepare
     from runner.config.paths import asset_path
 
     spec = compose_spec("recipe=gpt2_sft_tiny", f"data.packing={str(packing).lower()}")
@@ -86,7 +86,7 @@ def evaluation(model, packing: bool, compose_spec) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from runner.components.chunked_loss import install
-    from runner.components.data import collate_for, prepare
+    from runner.components.data.prepare import collate_for, prepare
     from runner.components.objectives.base import ObjectiveSetup
     from runner.components.objectives.causal_lm import CausalLM
     from runner.config.paths import asset_path

@@ -25,8 +25,8 @@ from runner.train.trainer import Trainer
 TRAIN = Path(runner.train.__file__).parent
 # The loop's modules: the trainer and what it delegates to (the worker builds the objective).
 LOOP_MODULES = ("trainer.py", "windows.py", "results.py", "loop_state.py", "parts.py")
-LOSS_MODULES = ("runner.components.chunked_loss", "runner.components.liger_loss", "runner.components.labels",
-                "runner.components.instruct")
+LOSS_MODULES = ("runner.components.chunked_loss", "runner.components.liger_loss", "runner.components.data.labels",
+                "runner.components.data.instruct")
 
 
 @pytest.fixture(autouse=True)

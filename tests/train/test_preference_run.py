@@ -57,7 +57,7 @@ def test_kill_9_and_resume_continue_a_preference_run_bit_for_bit(tmp_path):
 
 
 def test_packing_pairs_on_a_model_that_lets_them_attend_across_is_refused(tmp_path):
-    """data.packing=true packs a micro-batch's pairs (runner/components/preference_batch.py);
+    """data.packing=true packs a micro-batch's pairs (runner/components/data/preference_batch.py);
     OPT reads its positions from the attention mask, so packed sequences would see each
     other: the run is refused in one line, before any step (the probe of packed SFT)."""
     from runs import run_cli

@@ -163,7 +163,7 @@ def test_simpo_every_step_equals_trls_cpo_trainer(tmp_path):
     from transformers import AutoTokenizer
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    from runner.components.preference_data import SIDES, preference_record_row
+    from runner.components.data.preference import SIDES, preference_record_row
 
     beta, gamma = 2.0, 1.0
     saved_model = save_model(tmp_path / "tiny_gpt2", "gpt2")

@@ -17,7 +17,7 @@ def test_an_equal_global_batch_in_another_layout_is_accepted(compose_spec):
 
 
 def test_a_short_last_step_no_longer_refuses_a_change_of_layout(compose_spec):
-    """Every layout trains an epoch's short last step alike (runner/components/epoch_batches.py),
+    """Every layout trains an epoch's short last step alike (runner/components/data/epoch_batches.py),
     so a resume in another layout continues at the exact sample whatever the sample count."""
     old, new = compose_spec("train.per_device_batch_size=8"), compose_spec("train.per_device_batch_size=4", "train.grad_accum_steps=2")
     assert layout_change_problems(old, new, 1, 1, marker=MARKER) == []

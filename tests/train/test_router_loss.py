@@ -20,7 +20,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from runner.components.chunked_loss import install
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.labels import IGNORE_INDEX
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.causal_lm import CausalLM
 from runner.config.spec import PrecisionSpec, StrategySpec
@@ -77,7 +77,7 @@ def trained(labels: torch.Tensor) -> int:
 def one_step(tmp_path: Path, coefficient: float, micro_batch: int, accum: int, chunked: bool,
              window: int | None = None, fillers: int = 0) -> tuple[float, float]:
     """One optimizer step of `window` (default: all `accum`) micro-batches of the rows, the
-    last `fillers` of them fillers only (runner/components/epoch_batches.py: an epoch's end
+    last `fillers` of them fillers only (runner/components/data/epoch_batches.py: an epoch's end
     on another rank's layout); (the loss it logs, its gradient norm)."""
     window = window or accum
     engine, chunked_loss = prepared_mixtral(coefficient, accum, chunked)

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runner.components.labels import SOURCE
+from runner.components.data.labels import SOURCE
 
 Batch = dict[str, Any]
 
@@ -41,7 +41,9 @@ class MicroBatchLoss:
     backward: torch.Tensor
     logged: torch.Tensor
     # Further per-step figures, each weighted like `logged` (the loop averages them over
-    # the window's micro-batches and ranks): a preference objective's rewards/*.
+    # the window's micro-batches and ranks): a preference objective's rewards/*. A name
+    # ending in `/max` is not weighted: the loop keeps the largest, over micro-batches,
+    # steps and ranks (runner/train/loop_state.py).
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -85,7 +87,7 @@ class Objective(abc.ABC):
         """The reported figures (`figures`) from every row's `eval_rows`, concatenated."""
 
     def rows_with_sources(self, model: Any, batch: Batch) -> dict[str, torch.Tensor]:
-        """`eval_rows`, and for a mixture's batch each row's source (runner/components/mixture.py)."""
+        """`eval_rows`, and for a mixture's batch each row's source (runner/components/data/mixture.py)."""
         rows = self.eval_rows(model, batch)
         if SOURCE in batch:
             rows[SOURCE] = batch[SOURCE]

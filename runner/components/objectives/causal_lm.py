@@ -6,7 +6,7 @@ and loss when installed: runner/components/chunked_loss.py, with Liger's kernel 
 GPU). A step's loss is the sum over its trained tokens, on every rank and micro-batch,
 over their number: answer tokens of instruction data, and run_clm's blocks too, whose
 epoch ends in a short step (a short window, and fillers that train nothing:
-runner/components/epoch_batches.py). `open_window` counts them before the step runs
+runner/components/data/epoch_batches.py). `open_window` counts them before the step runs
 (runner/components/objectives/token_weighting.py). A stream's steps are all whole, so its
 micro-batches come without a window and keep the mean per micro-batch.
 
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from runner.components.chunked_loss import ChunkedLoss
-from runner.components.labels import model_inputs, token_losses
+from runner.components.data.labels import model_inputs, token_losses
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.token_weighting import CrossEntropyTap, weighted, window_counts
 

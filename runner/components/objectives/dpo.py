@@ -1,6 +1,6 @@
 """`train.objective=dpo`: preference optimisation on chosen/rejected pairs.
 
-Each micro-batch holds P pairs as 2P sequences (runner/components/preference_batch.py);
+Each micro-batch holds P pairs as 2P sequences (runner/components/data/preference_batch.py);
 one forward scores both halves: each answer's summed log-probs and its token count. The
 reference's log-probs come from preference.reference (reference.py), and the loss type's
 per-pair terms from preference_loss.py (each equal to TRL's). With the chunked head
@@ -31,12 +31,12 @@ import torch
 
 from runner.components.chunked_loss import transformers_model
 from runner.components.chunked_pairs import forward_pairs
-from runner.components.labels import IGNORE_INDEX, model_inputs, row_real_tokens
+from runner.components.data.labels import IGNORE_INDEX, model_inputs, row_real_tokens
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.preference_loss import pair_terms
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.objectives.reference import Reference
-from runner.components.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_tokens, pairs_in
+from runner.components.data.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_tokens, pairs_in
 from runner.config.spec import PreferenceLoss
 
 _PAIRS, _CHOSEN_TOKENS, _MICRO_BATCHES = "window_pairs", "window_chosen_tokens", "window_micro_batches"

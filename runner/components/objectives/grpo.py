@@ -12,7 +12,7 @@ same loss). Because every rank holds the whole generation batch, the step's coun
 
 What is logged is TRL's: `reward`, `reward_std`, `rewards/<name>/mean|std`,
 `frac_reward_zero_std`, `completions/*` from the generation batch; `kl`, `entropy`,
-`clip_ratio/*` and `sampling/logp_difference/mean` as the step's token means. A
+`clip_ratio/*` and `sampling/logp_difference/mean` as the step's token means (and its `/max`, the largest). A
 generation batch that trains on later steps (rl.steps_per_generation or
 rl.num_iterations above 1) is checkpointed with them (`state_dict`), so a resume trains
 the samples the uninterrupted run trained.
@@ -177,7 +177,11 @@ class GroupRelative(Objective):
             per = "completions" if terms.per_sequence and name not in ("kl", "entropy") else "tokens"
             metrics[name] = numerator / counts[per] * logged_by  # the step's mean over all ranks
         sampled = buffer.sampling_logps[index].to(device)
-        metrics["sampling/logp_difference/mean"] = ((logps.detach() - sampled).abs() * rows.mask).sum() / counts["tokens"] * logged_by
+        # TRL's measure: the sampling pass against the training pass at the weights that sampled
+        # (`old`: this step's own log-probs at a generation's first step, else those recorded then)
+        difference = (old - sampled).abs() * rows.mask
+        metrics["sampling/logp_difference/mean"] = difference.sum() / counts["tokens"] * logged_by
+        metrics["sampling/logp_difference/max"] = difference.max()
         for name, value in buffer.figures.items():
             metrics[name] = torch.tensor(value, device=device)
         total = share

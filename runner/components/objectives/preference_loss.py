@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.components.labels import token_losses
-from runner.components.preference_batch import per_sequence
+from runner.components.data.labels import token_losses
+from runner.components.data.preference_batch import per_sequence
 from runner.config.spec import PreferenceLoss, PreferenceSpec
 
 NEEDS_REFERENCE = frozenset({PreferenceLoss.sigmoid, PreferenceLoss.ipo, PreferenceLoss.hinge})

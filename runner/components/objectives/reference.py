@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from runner.components.chunked_pairs import forward_pairs
-from runner.components.labels import model_inputs
+from runner.components.data.labels import model_inputs
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
-from runner.components.preference_batch import PAIR_INDEX, SEQUENCE_IDS
+from runner.components.data.preference_batch import PAIR_INDEX, SEQUENCE_IDS
 
 log = logging.getLogger("runner")
 
@@ -200,7 +200,7 @@ def build_reference(spec: Any, model: Any, bare: Any, accelerator: Any, data: An
     `chunked`: the chunked head installed on the model, which scores it too. `frozen`:
     builds preference.reference=frozen's copy (runner/components/objectives/frozen.py,
     given the run's strategy by the worker)."""
-    from runner.components.data import collate_for
+    from runner.components.data.prepare import collate_for
     from runner.config.batch import eval_batch_size
     from runner.config.spec import ObjectiveKind, ReferenceMode
     from runner.config.validate import reference_mode

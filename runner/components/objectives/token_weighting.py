@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from runner.components.chunked_loss import transformers_model
-from runner.components.labels import IGNORE_INDEX, row_real_tokens
+from runner.components.data.labels import IGNORE_INDEX, row_real_tokens
 
 
 class CrossEntropyTap:

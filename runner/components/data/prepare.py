@@ -25,8 +25,8 @@ import torch
 from datasets import Dataset, DatasetDict, Features, Sequence, Value, load_dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
-from runner.components.data_checks import builder_for
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.checks import builder_for
+from runner.components.data.labels import IGNORE_INDEX
 from runner.config.errors import UserError
 from runner.config.mixture import row_format
 from runner.config.paths import default_cache_dir
@@ -226,12 +226,12 @@ def tokenize_and_group(
 
 def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
                      template: Optional[str]) -> tuple["DatasetDict", dict[str, dict[str, Any]]]:
-    """Instruction records as training rows (runner/components/instruct.py): examples with
+    """Instruction records as training rows (runner/components/data/instruct.py): examples with
     loss on the answer, fitted to the block, packed or one a row; and the counts. The
     records are tokenized by datasets' map on data.preprocessing_num_workers processes,
     as run_clm tokenizes text; each record is its own example, so the rows do not depend
     on the number."""
-    from runner.components.instruct import build, examples_of, record_example
+    from runner.components.data.instruct import build, examples_of, record_example
 
     names = {"prompt_field": data.prompt_field, "completion_field": data.completion_field,
              "messages_field": data.messages_field}
@@ -263,12 +263,12 @@ def instruction_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedT
 
 def preference_rows(raw: "DatasetDict", data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int,
                     template: Optional[str]) -> tuple["DatasetDict", dict[str, dict[str, Any]]]:
-    """Preference records as pair rows (runner/components/preference_data.py): the chosen
+    """Preference records as pair rows (runner/components/data/preference.py): the chosen
     and the rejected answer after the prompt, each with loss on the answer; a pair whose
     answers are equal is dropped (it trains nothing under any loss here), a pair longer
     than the block fitted or dropped (data.too_long); counted per split. `pair_index`: the
     row's place in its split, which the precomputed reference's log-probs are keyed by."""
-    from runner.components.preference_data import fit_pair_to_block, preference_record_row
+    from runner.components.data.preference import fit_pair_to_block, preference_record_row
 
     names = {"prompt_field": data.prompt_field, "chosen_field": data.chosen_field,
              "rejected_field": data.rejected_field}
@@ -395,7 +395,7 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
     instruct = data.format is not DataFormat.text
     template = None
     if data.format is DataFormat.chat or (data.format is DataFormat.preference and data.chat_template):
-        from runner.components.instruct import chat_template_text
+        from runner.components.data.instruct import chat_template_text
 
         template = chat_template_text(data.chat_template, tokenizer)
     # Preference records that are chat messages are rendered by the tokenizer's own template
@@ -445,9 +445,9 @@ def prepare(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: in
 
 def prepare_mixture(data: DataSpec, tokenizer: "PreTrainedTokenizerBase", block_size: int) -> PreparedData:
     """data.mixture: each source prepared and cached as a run of it alone would, then
-    sampled into one (runner/components/mixture.py). Its cache_path names the mixture
+    sampled into one (runner/components/data/mixture.py). Its cache_path names the mixture
     (beside the sources' entries); nothing is written there."""
-    from runner.components.mixture import mix
+    from runner.components.data.mixture import mix
 
     started, hits = time.perf_counter(), []
 
@@ -477,9 +477,9 @@ def collate_for(data: DataSpec, pad_id: int) -> Callable[[list[dict[str, "torch.
     if layout is DataFormat.text:
         return collate
     if layout is DataFormat.preference:
-        from runner.components.preference_batch import pack_pairs, pad_pairs
+        from runner.components.data.preference_batch import pack_pairs, pad_pairs
 
         return partial(pack_pairs if data.packing else pad_pairs, pad_id=pad_id)
-    from runner.components.instruct import pad_batch, stack_packed
+    from runner.components.data.instruct import pad_batch, stack_packed
 
     return stack_packed if data.packing else partial(pad_batch, pad_id=pad_id)

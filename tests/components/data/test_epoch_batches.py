@@ -13,9 +13,9 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 
-from runner.components.epoch_batches import Filler, masking_fillers
-from runner.components.instruct import pad_batch, stack_packed
-from runner.components.labels import IGNORE_INDEX, real_tokens
+from runner.components.data.epoch_batches import Filler, masking_fillers
+from runner.components.data.instruct import pad_batch, stack_packed
+from runner.components.data.labels import IGNORE_INDEX, real_tokens
 
 ROWS = 4  # tokens a row
 
@@ -68,7 +68,7 @@ def test_each_sample_is_trained_once_at_the_step_one_process_trains_it(compose_s
 def test_fillers_train_nothing_in_every_format():
     """A filler collates as the row it copies (the same shapes), with every label ignored
     and no real token, in run_clm's blocks, padded and packed instruction rows."""
-    from runner.components.data import collate
+    from runner.components.data.prepare import collate
 
     block = {"input_ids": torch.arange(4)}
     padded = {"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([-100, 6, 7])}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runner.components.data import cache_key, collate, group_texts, load_raw, prepare, resolve_block_size
+from runner.components.data.prepare import cache_key, collate, group_texts, load_raw, prepare, resolve_block_size
 from runner.config.paths import asset_path
 from runner.config.spec import DataSpec
 
@@ -171,7 +171,7 @@ def test_a_complete_entry_that_appears_meanwhile_is_never_replaced(tmp_path):
     """Two builders without a working file lock (some shared filesystems) both finish:
     the second one's copy is discarded, and the first one's files, which another node
     may already be reading, are left untouched."""
-    from runner.components.data import _publish
+    from runner.components.data.prepare import _publish
 
     path = _entry(tmp_path / "key", "winner", complete=True)
     inode = (path / "data.arrow").stat().st_ino
@@ -182,7 +182,7 @@ def test_a_complete_entry_that_appears_meanwhile_is_never_replaced(tmp_path):
 
 
 def test_an_incomplete_leftover_is_replaced(tmp_path):
-    from runner.components.data import _publish
+    from runner.components.data.prepare import _publish
 
     path = _entry(tmp_path / "key", "half-written", complete=False)
     fresh = _entry(tmp_path / "key.tmp-here-2", "fresh", complete=True)
@@ -194,7 +194,7 @@ def test_an_incomplete_leftover_is_replaced(tmp_path):
 def test_seeds_give_unrelated_data_orders_in_every_epoch():
     """A seed sweep's runs must not share orders: with seed + epoch, seed 2's epoch 0 was
     seed 1's epoch 1."""
-    from runner.components.epoch_batches import EpochSampler
+    from runner.components.data.epoch_batches import EpochSampler
 
     def order(seed: int, epoch: int) -> list[int]:
         sampler = EpochSampler(64, seed)
@@ -264,7 +264,7 @@ def test_a_hub_datasets_splits_are_in_the_cache_key_only_when_named(tokenizer):
     defaults keep the key a hub dataset had before they existed."""
     import hashlib
 
-    from runner.components.data import PIPELINE_VERSION, tokenizer_fingerprint
+    from runner.components.data.prepare import PIPELINE_VERSION, tokenizer_fingerprint
 
     hub = DataSpec(dataset_name="HuggingFaceH4/ultrafeedback_binarized")
     keys = {splits: cache_key(DataSpec(dataset_name=hub.dataset_name, train_split=splits[0], validation_split=splits[1]),
@@ -280,7 +280,7 @@ def test_a_hub_datasets_splits_are_in_the_cache_key_only_when_named(tokenizer):
 def test_a_stream_reads_the_named_splits(monkeypatch):
     import datasets
 
-    from runner.components.stream import sources
+    from runner.components.data.stream import sources
     from runner.config.errors import UserError
 
     monkeypatch.setattr(datasets, "get_dataset_split_names", lambda name, config: ["train_prefs", "test_prefs", "test"])

@@ -4,7 +4,7 @@ dataset by `datasets.interleave_datasets` (probabilities from the weights, the m
 seed and stopping rule). What follows is any prepared data's path: the run shuffles
 that dataset per epoch with its own seed and shards it over the ranks in global order,
 so the mixture trains the same examples in every layout and strategy and resumes at the
-same example (runner/components/epoch_batches.py). The validation splits are
+same example (runner/components/data/epoch_batches.py). The validation splits are
 concatenated, each row keeping its source.
 
 Rows of other layouts are made to share one: among instruction examples, a text block
@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from runner.components.labels import SOURCE
-from runner.components.preference_batch import PAIR_INDEX
+from runner.components.data.labels import SOURCE
+from runner.components.data.preference_batch import PAIR_INDEX
 from runner.config.data_spec import DataFormat, DataSpec
 from runner.config.mixture import evaluation_quota, row_format, shares_asked, source_names, source_specs
 
@@ -148,7 +148,7 @@ class Mixed:
 
 
 def mix(data: DataSpec, prepare_source: Callable[[DataSpec], Any]) -> Mixed:
-    """Each source prepared by `prepare_source` (components.data.prepare of one source),
+    """Each source prepared by `prepare_source` (components.data.prepare.prepare of one source),
     made to share the mixture's row layout, tagged and interleaved; then cut by
     data.max_train_samples (the mixture) and max_eval_samples (shared among the sources)."""
     from datasets import concatenate_datasets

@@ -1,6 +1,6 @@
 """Preference records as token rows: TRL 1.16's DPOTrainer tokenization (its own code run
 on the same records is the oracle), the one-line refusals, and over-long pairs
-(runner/components/preference_data.py)."""
+(runner/components/data/preference.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.components.labels import IGNORE_INDEX
-from runner.components.preference_data import fit_pair_to_block, preference_record_row
+from runner.components.data.labels import IGNORE_INDEX
+from runner.components.data.preference import fit_pair_to_block, preference_record_row
 from runner.config.errors import UserError
 from runner.config.paths import asset_path
 
@@ -32,7 +32,7 @@ def gpt2():
 def metaspace():
     """A SentencePiece-style tokenizer as Llama 2 and Mistral have (a Metaspace "▁" before
     a text's first word, byte fallback, a BOS the tokenizer adds), its merges learnt from
-    the embedded novels' first lines: the hub is offline (as tests/components/test_instruct.py
+    the embedded novels' first lines: the hub is offline (as tests/components/data/test_instruct.py
     builds it)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaTokenizer
@@ -313,7 +313,7 @@ def ultrafeedback_copy(tmp_path, monkeypatch):
     """A local stand-in for HuggingFaceH4/ultrafeedback_binarized (the hub is offline): its
     six splits as .jsonl files of its layout, 24 pairs in train_prefs and 6 in test_prefs,
     read by runner's load_raw through datasets' json builder in place of the hub."""
-    import runner.components.data as data_module
+    import runner.components.data.prepare as data_module
     from datasets import load_dataset
 
     pairs = pref_records(30)
@@ -338,7 +338,7 @@ def test_the_dpo_lora_recipe_reads_ultrafeedbacks_layout(compose_spec, ultrafeed
     GPT-2's tokenizer and runner's plain template stand in for Qwen's (offline)."""
     import dataclasses
 
-    from runner.components.data import load_raw, preference_rows
+    from runner.components.data.prepare import load_raw, preference_rows
 
     spec = compose_spec("recipe=qwen_dpo_lora")
     data = dataclasses.replace(spec.data, chat_template=plain)
@@ -359,7 +359,7 @@ def test_the_dpo_lora_recipe_reads_ultrafeedbacks_layout(compose_spec, ultrafeed
 def test_a_split_the_hub_dataset_lacks_is_refused_naming_those_it_has(compose_spec, ultrafeedback_copy):
     import dataclasses
 
-    from runner.components.data import load_raw
+    from runner.components.data.prepare import load_raw
 
     data = compose_spec("recipe=qwen_dpo_lora").data
     with pytest.raises(UserError) as refused:
@@ -376,7 +376,7 @@ def test_chat_pairs_rendered_by_the_tokenizers_own_template_key_the_cache_with_i
     read the pairs the first one's template rendered (issue 61, 3)."""
     import copy
 
-    from runner.components.data import prepare
+    from runner.components.data.prepare import prepare
     from runner.config.data_spec import DataFormat, DataSpec
 
     pairs = tmp_path / "pairs.jsonl"
@@ -397,7 +397,7 @@ def test_packing_is_not_in_the_preference_cache_key(gpt2, tmp_path):
     precomputed reference table, keyed by the data's key (issue 61, 10)."""
     from dataclasses import replace
 
-    from runner.components.data import cache_key
+    from runner.components.data.prepare import cache_key
     from runner.config.data_spec import DataFormat, DataSpec
 
     pairs = tmp_path / "pairs.jsonl"

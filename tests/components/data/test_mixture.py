@@ -1,4 +1,4 @@
-"""data.mixture on the cached path (runner/components/mixture.py): a mixture of one
+"""data.mixture on the cached path (runner/components/data/mixture.py): a mixture of one
 source is that source bit for bit; several are sampled as datasets.interleave_datasets
 samples them, each row whole and in its source's order; text blocks among instruction
 examples train on every token; the realised shares follow the schedule in closed form,
@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runner.components.data import collate_for, prepare
-from runner.components.epoch_batches import EpochBatches, EpochSampler
-from runner.components.mixture import SOURCE
+from runner.components.data.prepare import collate_for, prepare
+from runner.components.data.epoch_batches import EpochBatches, EpochSampler
+from runner.components.data.mixture import SOURCE
 from runner.config.data_spec import DataFormat, DataSpec, MixtureSource, MixtureStop
 from runner.config.paths import asset_path
 
@@ -119,7 +119,7 @@ def test_the_trained_shares_are_the_schedules_rows_in_every_layout(world, per_de
     """Mixture.shares_trained counts rows [k x global batch, (k + 1) x global batch) of
     each epoch's order for step k; here against the rows EpochBatches hands every rank, in
     Accelerate's round-robin, for 1.5 epochs of a 40-row mixture whose last step is short."""
-    from runner.components.mixture import Mixture, SourceFigures
+    from runner.components.data.mixture import Mixture, SourceFigures
     from runner.train.finish import mixture_results
 
     rows, seed = 43, 7

@@ -23,7 +23,7 @@ def real_tokens(batch: dict[str, Any]) -> int:
 
 def row_real_tokens(batch: dict[str, Any]) -> Any:
     """Each row's tokens that are not padding. Packed rows carry their own count (as do
-    a batch's fillers: runner/components/epoch_batches.py); padded ones, their attention
+    a batch's fillers: runner/components/data/epoch_batches.py); padded ones, their attention
     mask; run_clm's blocks are all real."""
     import torch
 
@@ -35,7 +35,7 @@ def row_real_tokens(batch: dict[str, Any]) -> Any:
     return torch.full((rows,), length, dtype=torch.int64)
 
 
-# A mixture's evaluation batches name each row's source (runner/components/mixture.py): not a model input.
+# A mixture's evaluation batches name each row's source (runner/components/data/mixture.py): not a model input.
 SOURCE = "source"
 
 
@@ -43,7 +43,7 @@ def model_inputs(batch: dict[str, Any], labels: bool = False, cache: bool = True
     """The forward's arguments for a batch (its labels only if asked). A packed batch
     (position ids, no attention mask) runs with no cache: a model that builds one (GPT-2
     does whenever use_cache is on, its config's default) skips the packed-sequence mask,
-    and packed examples would attend to each other. tests/components/test_instruct.py
+    and packed examples would attend to each other. tests/components/data/test_instruct.py
     fails on that leak. `cache=False` (model.compile): none either, as each layer's cache
     state is a guard that would recompile every layer. Otherwise the model's default
     stays: with neither cache nor mask, transformers looks for packed sequences in the

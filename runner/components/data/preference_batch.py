@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from runner.components.instruct import pad_batch
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.instruct import pad_batch
+from runner.components.data.labels import IGNORE_INDEX
 
 PAIR_INDEX = "pair_index"
 SEQUENCE_IDS = "sequence_ids"

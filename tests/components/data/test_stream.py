@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runner.components.data import prepare
-from runner.components.stream import BadRecord, BlockStream, check_stream_files, open_stream
+from runner.components.data.prepare import prepare
+from runner.components.data.stream import BadRecord, BlockStream, check_stream_files, open_stream
 from runner.config.paths import asset_path
 from runner.config.spec import DataSpec
 
@@ -146,7 +146,7 @@ def test_shuffle_windows_are_seeded_per_epoch_and_permute_only_within_a_window(t
 def loader(stream: BlockStream, workers: int):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from runner.components.data import collate
+    from runner.components.data.prepare import collate
 
     return StatefulDataLoader(stream, batch_size=3, collate_fn=collate, num_workers=workers, drop_last=True)
 
@@ -231,7 +231,7 @@ def test_undecodable_text_mid_stream_is_named_by_file_and_line(tokenizer, lines,
 def test_a_bad_record_survives_a_loader_workers_traceback():
     """A DataLoader worker re-raises BadRecord(its traceback text): the one line is recovered."""
     wrapped = BadRecord("Caught BadRecord in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-                        '  File "x.py", line 1\nrunner.components.stream.BadRecord: bad record in the training stream: a:3: x')
+                        '  File "x.py", line 1\nrunner.components.data.stream.BadRecord: bad record in the training stream: a:3: x')
     assert wrapped.line == "bad record in the training stream: a:3: x"
 
 
@@ -273,7 +273,7 @@ def test_a_position_at_a_windows_end_keeps_the_pass_length(tokenizer, lines, tmp
 
 
 def test_a_file_list_change_is_breaking_and_a_size_change_is_named():
-    from runner.components.stream import training_files_changes
+    from runner.components.data.stream import training_files_changes
 
     saved = [["/d/1.jsonl", 10], ["/d/2.jsonl", 20]]
     assert training_files_changes(saved, saved) == ([], [])

@@ -25,7 +25,7 @@ trl/data_utils.py `_tokenize` and `common_prefix_length`), followed here one for
   answer (GPT-2: a closing space joins the answer's first word, a closing blank line is
   one token alone and two before a word) or a template renders the prompt alone
   otherwise, the prompt's last tokens are trained as part of both answers (TRL warns).
-This differs from runner/components/instruct.py's prompt_completion_example, which puts
+This differs from runner/components/data/instruct.py's prompt_completion_example, which puts
 the prompt's own ids (as a client tokenizes it at inference) before the answer's: TRL
 trains on the joint text's ids. The issue asks for TRL's tokenization (a preference run
 is proven equal to DPOTrainer step by step), so this format follows TRL, not instruct.py.
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from runner.components.labels import IGNORE_INDEX
+from runner.components.data.labels import IGNORE_INDEX
 
 SIDES = ("chosen", "rejected")
 SETTINGS = ("prompt_field", "chosen_field", "rejected_field")

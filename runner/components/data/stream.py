@@ -1,7 +1,7 @@
 """Streaming data (data.streaming=true): blocks tokenized and grouped on the fly.
 
 The files (or a hub dataset) are read through `datasets`' streaming API, tokenized and
-cut into blocks by the same `group_texts` as the cached path (runner/components/data.py),
+cut into blocks by the same `group_texts` as the cached path (runner/components/data/prepare.py),
 in the same batches of 1,000 rows, so with shuffling off a stream yields the cached
 path's blocks in the cached path's order. Nothing is written to disk and memory stays
 flat whatever the corpus size.
@@ -42,10 +42,10 @@ from datasets import Dataset, IterableDataset, interleave_datasets, load_dataset
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from runner.components.data import check_splits, group_texts, text_column_of
-from runner.components.epoch_batches import epoch_order_seed
-from runner.components.data_checks import check_file
-from runner.components.labels import SOURCE
+from runner.components.data.prepare import check_splits, group_texts, text_column_of
+from runner.components.data.epoch_batches import epoch_order_seed
+from runner.components.data.checks import check_file
+from runner.components.data.labels import SOURCE
 from runner.config.errors import UserError
 from runner.config.mixture import evaluation_quota, shares_asked, source_names, source_specs
 from runner.config.spec import DataSpec

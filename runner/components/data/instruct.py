@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from runner.components.labels import IGNORE_INDEX, model_inputs
+from runner.components.data.labels import IGNORE_INDEX, model_inputs
 
 
 @dataclass

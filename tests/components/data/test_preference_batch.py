@@ -1,12 +1,12 @@
-"""Pairs as one batch (runner/components/preference_batch.py), and an epoch's fillers among them."""
+"""Pairs as one batch (runner/components/data/preference_batch.py), and an epoch's fillers among them."""
 
 from __future__ import annotations
 
 import torch
 
-from runner.components.epoch_batches import Filler, masking_fillers
-from runner.components.labels import IGNORE_INDEX
-from runner.components.preference_batch import pad_pairs, pairs_in
+from runner.components.data.epoch_batches import Filler, masking_fillers
+from runner.components.data.labels import IGNORE_INDEX
+from runner.components.data.preference_batch import pad_pairs, pairs_in
 
 
 def pair(prompt: list[int], chosen: list[int], rejected: list[int], index: int) -> dict:

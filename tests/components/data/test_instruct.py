@@ -1,12 +1,12 @@
 """Instruction examples: the loss boundary, truncation, packing, and proofs on real
-models that packing cannot leak (runner/components/instruct.py)."""
+models that packing cannot leak (runner/components/data/instruct.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runner.components.instruct import (
+from runner.components.data.instruct import (
     Example,
     build,
     chat_example,
@@ -19,7 +19,7 @@ from runner.components.instruct import (
     renderer,
     stack_packed,
 )
-from runner.components.labels import IGNORE_INDEX, model_inputs, real_tokens, token_losses
+from runner.components.data.labels import IGNORE_INDEX, model_inputs, real_tokens, token_losses
 from runner.config.errors import UserError
 from runner.config.paths import asset_path
 
@@ -203,7 +203,7 @@ def test_instruction_settings_are_refused_where_they_cannot_work(compose_spec):
 
 
 def test_a_chat_without_a_template_is_refused_naming_the_plain_one(tokenizer):
-    from runner.components.instruct import chat_template_text
+    from runner.components.data.instruct import chat_template_text
 
     with pytest.raises(UserError, match=r"chat_template_plain.jinja"):
         chat_template_text(None, tokenizer)
@@ -212,7 +212,7 @@ def test_a_chat_without_a_template_is_refused_naming_the_plain_one(tokenizer):
 
 
 def test_a_record_without_its_field_is_refused_naming_it(tokenizer):
-    from runner.components.instruct import record_examples
+    from runner.components.data.instruct import record_examples
 
     names = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages"}
     with pytest.raises(UserError, match=r"record 1 has no 'completion' \(it has: prompt, answer\).*data.completion_field"):
@@ -227,7 +227,7 @@ def test_the_packing_probe_finds_a_model_that_lets_examples_attend_across(arch, 
     from transformers import AutoModelForCausalLM
 
     from runner.certify.architectures import TINY
-    from runner.components.instruct import packing_leak
+    from runner.components.data.instruct import packing_leak
     from runner.components.model import build_config
     from runner.config.spec import ModelSpec
 
@@ -362,7 +362,7 @@ def test_the_counts_of_cut_and_unanswered_chats_are_reported_per_split(tmp_path,
     the same rows on two tokenizing processes (data.preprocessing_num_workers) as on one."""
     import json
 
-    from runner.components.data import instruction_rows, load_raw
+    from runner.components.data.prepare import instruction_rows, load_raw
     from runner.config.spec import DataFormat, DataSpec
 
     records = [{"messages": CHAT}, {"messages": CHAT + [{"role": "user", "content": "Bye"}]},
@@ -382,7 +382,7 @@ def test_the_counts_of_cut_and_unanswered_chats_are_reported_per_split(tmp_path,
 
 # ---------------------------------------------------------------- data.chat_template
 def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(tokenizer):
-    from runner.components.instruct import chat_template_text
+    from runner.components.data.instruct import chat_template_text
 
     typo = str(asset_path("chat_tempalte_plain.jinja"))
     with pytest.raises(UserError) as refused:
@@ -393,7 +393,7 @@ def test_a_chat_template_that_is_neither_a_file_nor_a_template_is_refused(tokeni
 
 
 def test_a_chat_template_that_does_not_parse_is_refused_naming_its_line(tokenizer, tmp_path):
-    from runner.components.instruct import chat_template_text
+    from runner.components.data.instruct import chat_template_text
 
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for message in messages %}\n{{ message['content'] }}\n")  # no endfor
@@ -436,7 +436,7 @@ def test_a_template_that_closes_a_turn_with_the_eos_and_a_newline_gets_no_second
     """ChatML-style templates (Qwen's: <|im_end|> is its EOS) end an answer with the EOS and
     a newline; the example ends there, not with a second, trained EOS after the newline
     (issue 61, 11)."""
-    from runner.components.instruct import chat_example
+    from runner.components.data.instruct import chat_example
 
     tokenizer = request.getfixturevalue(which)
     messages = []

@@ -6,7 +6,7 @@ data.validation_split_percentage held out), limited by data.max_train_samples an
 data.max_eval_samples.
 
 A mixture (data.mixture) samples its sources' prompts into one set with datasets'
-interleave_datasets, as the other formats' mixtures do (runner/components/mixture.py):
+interleave_datasets, as the other formats' mixtures do (runner/components/data/mixture.py):
 each source's prompt field is renamed to data.prompt_field, and the columns every source
 has are kept (the rewards read them); the validation prompts are each source's share of
 data.max_eval_samples, concatenated."""
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.components.data import PreparedData, cache_key, load_raw
-from runner.components.mixture import interleave
+from runner.components.data.prepare import PreparedData, cache_key, load_raw
+from runner.components.data.mixture import interleave
 from runner.config.errors import UserError
 from runner.config.mixture import evaluation_quota, source_names, source_specs
 from runner.config.spec import DataSpec

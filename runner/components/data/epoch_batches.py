@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from runner.components.labels import IGNORE_INDEX, row_real_tokens
-from runner.components.preference_batch import SEQUENCE_IDS
+from runner.components.data.labels import IGNORE_INDEX, row_real_tokens
+from runner.components.data.preference_batch import SEQUENCE_IDS
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def _check_text(path: Path, gz: bool, override: str) -> list[str]:
 
 
 def default_text_column(columns: list[str], text_column: Optional[str]) -> str:
-    """The column the data pipeline reads (runner.components.data.text_column_of): the named one, else
+    """The column the data pipeline reads (runner.components.data.prepare.text_column_of): the named one, else
     `text` if present, else the first."""
     return text_column or ("text" if "text" in columns else columns[0])
 
