@@ -66,8 +66,8 @@ def runner_pairs(spec: Any) -> Any:
     drops (equal answers; too_long=drop's over-long ones), the first max_train_samples."""
     from transformers import AutoTokenizer
 
-    from runner.components.data.prepare import load_raw
     from runner.components.data.preference import fit_pair_to_block, preference_record_row
+    from runner.components.data.prepare import load_raw
 
     data = spec.data
     raw = load_raw(data)["train"]
@@ -91,9 +91,9 @@ def trl_worker(spec_path: Path, reference: str, out: Path) -> None:
     import time
 
     from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl_dpo import dpo_trainer, runner_order
 
     from runner.config.spec import load_spec
-    from trl_dpo import dpo_trainer, runner_order
 
     spec = load_spec(spec_path)
     stamps: list[float] = []

@@ -177,8 +177,8 @@ def worker_plain(steps: int, out: Path) -> None:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer, get_scheduler
 
-    from runner.components.data.prepare import collate, prepare
     from runner.components.data.epoch_batches import EpochSampler
+    from runner.components.data.prepare import collate, prepare
     from runner.components.optim import param_groups
     from runner.config.spec import DataSpec
 

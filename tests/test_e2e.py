@@ -200,6 +200,7 @@ def test_zero_optimizer_offload_engages_deepspeed_cpu_adam_and_says_so(tmp_path)
     it (the engagement check reads the offload device DeepSpeed built), say so in the banner
     and in run_spec.yaml, and keep the numbers of torch's AdamW."""
     from conftest import MICRO
+
     from runner.config.spec import spec_from_yaml
 
     golden = json.loads(GOLDEN.read_text())["losses"][:3]

@@ -44,7 +44,6 @@ from runner.config.errors import RunFailed, UserError
 from runner.config.spec import RunSpec
 from runner.launch.launcher import launch_in_turn
 from runner.launch.start import claim, launch_failures, start
-from runner.train.rl_setup import COMPLETIONS_FILENAME
 from runner.report.parity import (
     BF16_GRAD_NORM_RTOL,
     BF16_LOSS_ATOL,
@@ -54,6 +53,7 @@ from runner.report.parity import (
     parity_problems,
     step_records,
 )
+from runner.train.rl_setup import COMPLETIONS_FILENAME
 
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 PRECISIONS = ("fp32", "bf16")

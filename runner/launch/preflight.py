@@ -9,16 +9,16 @@ a run folder is touched or a worker starts.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import replace
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from runner.components.adapters import add_adapters, uses_adapters
-from runner.components.data.prepare import PreparedData, prepare, resolve_block_size
 from runner.components.data.checks import check_data_files as check_files
+from runner.components.data.prepare import PreparedData, prepare, resolve_block_size
 from runner.components.data.prompts import prepare_prompts
 from runner.components.data.stream import BadRecord, StreamedData, check_stream_files, first_step, open_stream
 from runner.components.model import (
@@ -35,8 +35,8 @@ from runner.components.model import (
 from runner.config.errors import UserError
 from runner.config.spec import DataFormat, PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
-from runner.report.benchmarks import check as check_benchmarks
 from runner.distributed.strategy import MIXED_PRECISION
+from runner.report.benchmarks import check as check_benchmarks
 from runner.train.checkpoint import is_complete
 from runner.train.resume import not_a_checkpoint
 

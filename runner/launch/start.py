@@ -19,13 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from runner.components.data.stream import StreamedData
 from runner.config.batch import accumulation_for
 from runner.config.errors import USAGE_EXIT_CODE, RunFailed, UserError
-from runner.launch import failure_notes
 from runner.config.spec import RunSpec, StrategyKind
 from runner.config.validate import check_launch
 from runner.distributed.process_group import slurm_node_launch
 from runner.distributed.world import world_size
+from runner.launch import auto_batch, failure_notes, fit
 from runner.launch.accelerate_config import apply_accelerate_config
-from runner.launch import auto_batch, fit
 from runner.launch.dry_run import report
 from runner.launch.launcher import launch, start_server_early
 from runner.launch.preflight import check_stream_step, prepare_data, validate

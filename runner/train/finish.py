@@ -18,8 +18,8 @@ from accelerate import Accelerator
 
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
 from runner.components.data.prepare import PreparedData
-from runner.components.model import build_config, build_model
 from runner.components.data.stream import StreamedData, blocks_handed_out
+from runner.components.model import build_config, build_model
 from runner.config.mixture import shares_asked
 from runner.config.spec import RunSpec
 from runner.distributed.accelerator import unwrap

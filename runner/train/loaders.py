@@ -16,10 +16,10 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
+from runner.components.data.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
 from runner.components.data.prepare import PreparedData, collate, collate_for
 from runner.components.data.prepare import prepare as prepare_data
 from runner.components.data.prompts import prepare_prompts
-from runner.components.data.epoch_batches import EpochBatches, EpochSampler, WithFillers, masking_fillers
 from runner.components.data.stream import BadRecord, BlockStream, StreamedData, open_stream, training_files
 from runner.config.batch import eval_batch_size
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from runner.components.adapters import ADAPTER_DIRNAME, uses_adapters
+from runner.components.data.stream import training_files, training_files_changes
 from runner.components.objectives import reported_figures
 from runner.components.optim import effective_lr, horizon_matters, planned_rate, warmup_steps
-from runner.components.data.stream import training_files, training_files_changes
 from runner.config.batch import global_batch
 from runner.config.errors import UserError
 from runner.config.spec import SPEC_FILENAME, RunSpec, flat_spec_dict, load_spec

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from runner.components.adapters import uses_adapters
 from runner.components.data.prepare import PreparedData
-from runner.components.rollouts import RolloutSource, Rollouts, prompt_set, stream_layout
+from runner.components.rollouts import Rollouts, RolloutSource, prompt_set, stream_layout
 from runner.config.batch import global_batch
 from runner.config.spec import RunSpec, StrategyKind
 from runner.train.loaders import Loaders, prompt_loaders

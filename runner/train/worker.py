@@ -33,20 +33,16 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 
-from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.activations import activation_note
+from runner.components.adapters import add_adapters, uses_adapters
 from runner.components.chunked_loss import ChunkedLoss
-from runner.components.compile import compile_layers
 from runner.components.chunked_loss import install as install_chunked_loss
-from runner.components.liger_loss import gpu_present
+from runner.components.compile import compile_layers
+from runner.components.data.epoch_batches import EpochSampler
 from runner.components.data.instruct import check_packing
 from runner.components.data.prepare import resolve_block_size
-from runner.components.data.epoch_batches import EpochSampler
 from runner.components.data.stream import BadRecord, BlockStream, StreamedData
-from runner.components.objectives import build_objective, objective_class
-from runner.components.objectives.frozen import frozen_reference
-from runner.components.objectives.reference import build_reference
-from runner.components.objectives.base import ObjectiveSetup
+from runner.components.liger_loss import gpu_present
 from runner.components.model import (
     count_parameters,
     count_trainable_parameters,
@@ -56,6 +52,10 @@ from runner.components.model import (
     max_positions,
     starting_model,
 )
+from runner.components.objectives import build_objective, objective_class
+from runner.components.objectives.base import ObjectiveSetup
+from runner.components.objectives.frozen import frozen_reference
+from runner.components.objectives.reference import build_reference
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
 from runner.config.batch import global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
@@ -76,12 +76,12 @@ from runner.train.finish import close, finish, memory_per_rank
 from runner.train.host_memory import release_freed_memory, retain_freed_memory, return_freed_memory
 from runner.train.ledger import Ledger, resumed
 from runner.train.loaders import Loaders, data_record, load_data, make_loaders
+from runner.train.parts import Engine, LoopSettings, TrainData
 from runner.train.plan import RunPlan, banner, plan_run
 from runner.train.restore import restore_random_state
 from runner.train.rl_setup import completions_writer, rl_reference, rollout_parts
 from runner.train.signals import EXIT_CODES, Stopped
-from runner.train.parts import Engine, LoopSettings, TrainData
-from runner.train.trainer import NoStepInPass, NonFiniteLoss, Trainer
+from runner.train.trainer import NonFiniteLoss, NoStepInPass, Trainer
 
 # train.per_device_batch_size=auto's probe run writes its ranks' memory here (runner/launch/auto_batch.py).
 PROBE_FILENAME = "probe_memory.json"

@@ -15,11 +15,11 @@ from runner.certify.architectures import TINY
 from runner.components import chunked_pairs
 from runner.components.chunked_loss import install
 from runner.components.chunked_pairs import chunked_pair_loss, pairs_per_chunk
+from runner.components.data.preference_batch import pad_pairs
 from runner.components.model import build_config
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.dpo import DirectPreference
 from runner.components.objectives.reference import Precomputed, sequence_logps
-from runner.components.data.preference_batch import pad_pairs
 from runner.config.spec import ModelSpec, PreferenceLoss, PreferenceSpec
 
 PAIRS = 5

@@ -9,14 +9,13 @@ import copy
 
 import pytest
 import torch
-
 from test_chunked_pairs import scored, tiny_model
 
 from runner.components import chunked_pairs
 from runner.components.chunked_loss import install
 from runner.components.data.epoch_batches import Filler, masking_fillers
-from runner.components.objectives.reference import sequence_logps
 from runner.components.data.preference_batch import SEQUENCE_IDS, answer_tokens, pack_pairs, pad_pairs
+from runner.components.objectives.reference import sequence_logps
 
 pytestmark = pytest.mark.unit
 

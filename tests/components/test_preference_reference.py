@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from runner.components.objectives.reference import AdapterOff, Precomputed, score_pairs, sequence_logps
 from runner.components.data.preference_batch import pad_pairs
+from runner.components.objectives.reference import AdapterOff, Precomputed, score_pairs, sequence_logps
 
 
 def tiny_gpt2() -> torch.nn.Module:

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from runner.certify.architectures import TINY
+from runner.components.data.preference_batch import pad_pairs
 from runner.components.objectives import build_objective
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.frozen import frozen_reference
 from runner.components.objectives.reference import score_pairs
-from runner.components.data.preference_batch import pad_pairs
 from runner.distributed.strategies import build_strategy
 from runner.train.worker import build_seeded_model
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from runs import run_cli
 
 pytestmark = pytest.mark.e2e

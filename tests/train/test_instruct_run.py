@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from runs import Ran, run_cli
 
 pytestmark = [pytest.mark.e2e]

@@ -16,11 +16,11 @@ import torch
 from test_router_loss import VOCAB, mixtral, prepared_mixtral
 
 from runner.components.data.labels import IGNORE_INDEX
+from runner.components.data.preference_batch import pad_pairs
 from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.dpo import DirectPreference
 from runner.components.objectives.preference_loss import pair_terms, sequence_logps
 from runner.components.objectives.reference import Reference
-from runner.components.data.preference_batch import pad_pairs
 from runner.config.preference_spec import PreferenceSpec
 from runner.distributed.accelerator import reset_accelerate_state
 from runner.train.parts import LoopSettings, TrainData

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import resume_cmd
 from test_checkpoint import kill_9_at_step
 

@@ -101,7 +101,6 @@ def trl_trainer(out: Path, model_dir: Path, train: Path, order: list[int], train
     (one epoch's, fed sequentially), with the shared settings and `options` (its loss's)."""
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from trl_dpo import trl_trainer as in_order
 
     dataset = load_dataset("json", data_files=str(train), split="train")

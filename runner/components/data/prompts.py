@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.components.data.prepare import PreparedData, cache_key, load_raw
 from runner.components.data.mixture import interleave
+from runner.components.data.prepare import PreparedData, cache_key, load_raw
 from runner.config.errors import UserError
 from runner.config.mixture import evaluation_quota, source_names, source_specs
 from runner.config.spec import DataSpec

@@ -42,10 +42,10 @@ from datasets import Dataset, IterableDataset, interleave_datasets, load_dataset
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from runner.components.data.prepare import check_splits, group_texts, text_column_of
-from runner.components.data.epoch_batches import epoch_order_seed
 from runner.components.data.checks import check_file
+from runner.components.data.epoch_batches import epoch_order_seed
 from runner.components.data.labels import SOURCE
+from runner.components.data.prepare import check_splits, group_texts, text_column_of
 from runner.config.errors import UserError
 from runner.config.mixture import evaluation_quota, shares_asked, source_names, source_specs
 from runner.config.spec import DataSpec

@@ -32,11 +32,11 @@ import torch
 from runner.components.chunked_loss import transformers_model
 from runner.components.chunked_pairs import forward_pairs
 from runner.components.data.labels import IGNORE_INDEX, model_inputs, row_real_tokens
+from runner.components.data.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_tokens, pairs_in
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.preference_loss import pair_terms
 from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.objectives.reference import Reference
-from runner.components.data.preference_batch import PAIR_INDEX, SEQUENCE_IDS, answer_tokens, pairs_in
 from runner.config.spec import PreferenceLoss
 
 _PAIRS, _CHOSEN_TOKENS, _MICRO_BATCHES = "window_pairs", "window_chosen_tokens", "window_micro_batches"

@@ -26,9 +26,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from runner.components.chunked_loss import transformers_model
-from runner.components.objectives.dpo import router_coefficient
 from runner.components.objectives.base import Batch, MicroBatchLoss, Objective, ObjectiveSetup, Window
 from runner.components.objectives.completion_scores import CompletionRows, completion_logps, completion_rows
+from runner.components.objectives.dpo import router_coefficient
 from runner.components.objectives.rl_loss import (PolicyTerms, figure_sums, group_advantages, loss_share, policy_terms,
                                                   reward_figures, step_normaliser)
 from runner.components.rollouts import Rollouts, RolloutSource

@@ -26,8 +26,8 @@ import torch
 
 from runner.components.chunked_pairs import forward_pairs
 from runner.components.data.labels import model_inputs
-from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 from runner.components.data.preference_batch import PAIR_INDEX, SEQUENCE_IDS
+from runner.components.objectives.preference_loss import sequence_logps as logps_of_logits
 
 log = logging.getLogger("runner")
 

@@ -4,7 +4,6 @@ import gzip
 
 import pytest
 
-
 from runner.components.data.checks import check_file
 from runner.config.spec import DataSpec
 from runner.config.validate import check_data_source

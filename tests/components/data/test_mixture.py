@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runner.components.data.prepare import collate_for, prepare
 from runner.components.data.epoch_batches import EpochBatches, EpochSampler
 from runner.components.data.mixture import SOURCE
+from runner.components.data.prepare import collate_for, prepare
 from runner.config.data_spec import DataFormat, DataSpec, MixtureSource, MixtureStop
 from runner.config.paths import asset_path
 

@@ -313,8 +313,9 @@ def ultrafeedback_copy(tmp_path, monkeypatch):
     """A local stand-in for HuggingFaceH4/ultrafeedback_binarized (the hub is offline): its
     six splits as .jsonl files of its layout, 24 pairs in train_prefs and 6 in test_prefs,
     read by runner's load_raw through datasets' json builder in place of the hub."""
-    import runner.components.data.prepare as data_module
     from datasets import load_dataset
+
+    import runner.components.data.prepare as data_module
 
     pairs = pref_records(30)
     files = {}

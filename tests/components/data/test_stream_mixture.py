@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 from datasets import Dataset, interleave_datasets
+from test_stream import BLOCK, blocks, lines, loader, tokenizer, write_jsonl  # noqa: F401 - fixtures
 
 from runner.components.data.labels import SOURCE
 from runner.components.data.stream import BlockStream, blocks_handed_out, open_stream
 from runner.config.data_spec import MixtureSource, MixtureStop
 from runner.config.spec import DataSpec
-from test_stream import BLOCK, blocks, loader, lines, tokenizer, write_jsonl  # noqa: F401 - fixtures
 
 SEED = 3
 
