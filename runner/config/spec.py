@@ -53,6 +53,11 @@ class StartMethod(str, enum.Enum):
     forkserver = "forkserver"
 
 
+class LaunchEngine(str, enum.Enum):
+    local = "local"  # this launcher: in its own process at world size 1, else torch elastic
+    ray = "ray"  # Ray Train's TorchTrainer on a Ray cluster (runner/launch/ray_engine.py)
+
+
 class TrackingKind(str, enum.Enum):
     tensorboard = "tensorboard"
     wandb = "wandb"
@@ -288,6 +293,21 @@ class LaunchSpec:
     """Mean time between failures of the job's machines, in hours: with it, a run suggests a
     checkpoint interval from its measured save time (Young/Daly, sqrt(2 x save time x MTBF))
     and says how far train.save_every is from it (all_results.json `goodput`). null: no suggestion."""
+    engine: LaunchEngine = LaunchEngine.local
+    """Who starts the workers: local | ray. local: this launcher (in its own process at world
+    size 1, else torch elastic; under torchrun or srun it joins them). ray: Ray Train's
+    TorchTrainer on the cluster launch.ray_address names, launch.nnodes x
+    launch.nproc_per_node workers that Ray places on the cluster's nodes itself (run the
+    command once; no launch.node_rank or launch.rdzv_endpoint), with a GPU each where the
+    launcher sees CUDA; each checkpoint is reported to Ray, and launch.max_restarts is
+    Ray's FailureConfig(max_failures). Needs `pip install "runner[ray]"`; see
+    docs/clusters-and-slurm.md (Ray)."""
+    ray_address: str = "auto"
+    """launch.engine=ray only: the Ray cluster. auto: the one RAY_ADDRESS names (set by
+    `ray job submit` and KubeRay), else a local Ray started for this run (no dashboard,
+    usage stats off) and stopped after it. HOST:PORT or ray://HOST:PORT: a running
+    cluster's head (`ray start --head` prints it); the run folder must be on storage that
+    every node of it sees."""
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 from runner.config.rl_checks import check_rl
 from runner.config.batch import accumulation_for
 from runner.config.mixture import SINGLE_SOURCE, row_format, source_names, source_specs
-from runner.config.spec import (DataFormat, DataSpec, ObjectiveKind, PeftKind, PreferenceLoss, PreferenceSpec,
-                                ReferenceMode, RunSpec, StrategyKind)
+from runner.config.spec import (DataFormat, DataSpec, LaunchEngine, LaunchSpec, ObjectiveKind, PeftKind, PreferenceLoss,
+                                PreferenceSpec, ReferenceMode, RunSpec, StrategyKind)
 
 
 def _positive(problems: list[str], value: object, key: str, allow_zero: bool = False) -> None:
@@ -169,12 +169,35 @@ def check_launch(spec: RunSpec) -> list[str]:
     _positive(problems, launch.mtbf_hours, "launch.mtbf_hours")  # None (no suggestion) passes
     if not 0 <= launch.node_rank < max(launch.nnodes, 1):
         problems.append(f"launch.node_rank={launch.node_rank} must be in 0..launch.nnodes-1.")
-    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+    if launch.engine is LaunchEngine.ray:
+        problems += _ray_launch_problems(launch)
+    elif launch.ray_address != "auto":
+        problems.append(f"launch.ray_address={launch.ray_address} is read only under launch.engine=ray: add "
+                        "launch.engine=ray, or remove launch.ray_address.")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint and launch.engine is not LaunchEngine.ray:
         problems.append("launch.nnodes>1 needs launch.rdzv_endpoint=HOST:PORT (node 0's address), the same on every node.")
     if launch.rdzv_endpoint is not None:
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             problems.append(f"launch.rdzv_endpoint={launch.rdzv_endpoint} must be HOST:PORT, e.g. 10.0.0.1:29500.")
+    return problems
+
+
+def _ray_launch_problems(launch: LaunchSpec) -> list[str]:
+    """launch.engine=ray: Ray places every worker itself, so the torch rendezvous's per-node
+    settings would be ignored (each node started with its own command would start a run
+    of its own); they are refused instead."""
+    problems = []
+    if launch.node_rank != 0 or launch.rdzv_endpoint is not None:
+        problems.append(
+            "launch.engine=ray places the workers itself (launch.nnodes x launch.nproc_per_node of them, on the "
+            "cluster's nodes): run the command once, on one machine, without launch.node_rank and "
+            "launch.rdzv_endpoint (those are the torch rendezvous's, launch.engine=local).")
+    address = launch.ray_address
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address != "auto" and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+        problems.append(f"launch.ray_address={address} must be auto, HOST:PORT or ray://HOST:PORT (the Ray head's "
+                        "address, as `ray start --head` prints it), e.g. launch.ray_address=10.0.0.1:6379.")
     return problems
 
 

@@ -33,7 +33,7 @@ from runner.components.model import (
     tokenizer_source,
 )
 from runner.config.errors import UserError
-from runner.config.spec import DataFormat, PrecisionKind, RunSpec, StrategyKind
+from runner.config.spec import DataFormat, LaunchEngine, PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
 from runner.distributed.strategy import MIXED_PRECISION
 from runner.report.benchmarks import check as check_benchmarks
@@ -169,6 +169,9 @@ def check_machine(spec: RunSpec) -> list[str]:
             f"tracking={spec.tracking.value} needs the {tracker_module} package: pip install {tracker_module} "
             "(or tracking=none)."
         )
+    if spec.launch.engine is LaunchEngine.ray and importlib.util.find_spec("ray") is None:
+        problems.append('launch.engine=ray needs Ray Train, which is not installed: pip install "runner[ray]" '
+                        "(or launch.engine=local).")
     cuda = torch.cuda.is_available()
     if spec.precision.kind is PrecisionKind.fp16 and not cuda:
         problems.append(

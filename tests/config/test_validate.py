@@ -82,6 +82,7 @@ BAD_STRINGS: dict[str, typing.Callable[[Path], str]] = {
     "data.rejected_field": lambda tmp: "worse",
     "launch.nproc_per_node": lambda tmp: "two",
     "launch.rdzv_endpoint": lambda tmp: "localhost",
+    "launch.ray_address": lambda tmp: "nowhere",  # read only under launch.engine=ray (and no HOST:PORT there)
     "launch.device_memory": lambda tmp: "A4O",  # neither a GPU's name nor a size
     "strategy.config_file": lambda tmp: str(tmp / "missing.yaml"),
     "resume": lambda tmp: str(tmp / "no_checkpoint"),
