@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
-import traceback
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from runner.config.errors import USAGE_EXIT_CODE, UserError
+from runner.config.errors import UserError
 from runner.config.paths import default_cache_dir
-from runner.config.spec import RunSpec
+from runner.config.spec import LaunchEngine, RunSpec
 from runner.distributed.accelerator import reset_accelerate_state
 from runner.distributed.process_group import joined_launch
 from runner.distributed.strategies import build_strategy
@@ -36,6 +34,7 @@ from runner.launch import failure_notes
 from runner.launch.cpus import usable_cpus
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.launch.start_method import Environment, adopt, environment_for, resolve
+from runner.launch.worker_entry import run_worker
 from runner.train import worker
 
 
@@ -119,23 +118,7 @@ def _worker_entry(environment: Optional[Environment], launched: Optional[float],
     launch's start for the goodput ledger (runner/train/ledger.py), handed to a restarted
     worker unchanged (torch elastic keeps the entry's arguments); None: each run starts its own."""
     adopt(environment)
-    failure_notes.watch_fatal_signals()
-    try:
-        for spec_path in spec_paths:
-            worker.main(spec_path, launched)
-            # The next run in this process (runner certify) starts from nothing: a
-            # finished run closed its process group; Accelerate and DeepSpeed keep theirs.
-            reset_accelerate_state()
-    except UserError as err:
-        # A problem the user can fix, found on this rank (rank 0 or not): one line and
-        # exit 2, as in the launcher, instead of @record's traceback.
-        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {err.render()}\n")
-        sys.stderr.flush()
-        failure_notes.note(f"exit code {USAGE_EXIT_CODE}")
-        raise SystemExit(USAGE_EXIT_CODE) from None
-    except Exception as err:
-        failure_notes.note(traceback.format_exception_only(err)[-1].strip(), traceback.format_exc())
-        raise
+    run_worker(spec_paths, launched)
 
 
 def launch(spec: RunSpec, spec_path: Path, launched: Optional[float] = None) -> None:
@@ -181,7 +164,8 @@ def start_server_early(spec: RunSpec) -> None:
     launch refused meanwhile leaves the server to end with this process."""
     from runner.config.validate import check_launch
 
-    if joined_launch() is None and not check_launch(spec) and not _in_this_process(spec, resolve_nproc(spec.launch)):
+    if (joined_launch() is None and not check_launch(spec) and spec.launch.engine is LaunchEngine.local
+            and not _in_this_process(spec, resolve_nproc(spec.launch))):
         environment_for(resolve(spec.launch))
 
 
@@ -198,6 +182,11 @@ def _launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
         return
     nproc = resolve_nproc(spec.launch)
     prepare_environment(nproc, spec.launch.debug)
+    if spec.launch.engine is LaunchEngine.ray:
+        from runner.launch import ray_engine  # Ray is an extra (runner[ray]): imported only for its launches
+
+        ray_engine.launch(spec, spec_path, launched)
+        return
     if _in_this_process(spec, nproc):
         _run_in_process(spec, launched)
         return

@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -25,6 +25,26 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE.json"
+
+
+# Called on every rank, at the same steps, once a checkpoint is complete: (its folder, the
+# loop's figures at it). A launch engine that keeps its own account of the checkpoints
+# registers one (Ray Train's report, runner/launch/ray_engine.py); train/ imports nothing
+# of it (imports point down), and a run without one is unchanged.
+CheckpointHook = Callable[[Path, dict[str, Any]], None]
+_hooks: list[CheckpointHook] = []
+
+
+def add_checkpoint_hook(hook: CheckpointHook) -> Callable[[], None]:
+    """Register `hook` for the checkpoints this process saves; returns its removal."""
+    _hooks.append(hook)
+    return lambda: _hooks.remove(hook) if hook in _hooks else None
+
+
+def checkpoint_saved(path: Path, figures: dict[str, Any]) -> None:
+    """Every rank, after a checkpoint is complete (a collective for hooks that report)."""
+    for hook in list(_hooks):
+        hook(path, figures)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

@@ -7,6 +7,8 @@ split into parts that add up to it:
 
 - startup: to the first training batch (validation, data preparation, model build,
   wrapping, a resume's loading, the first batch's wait);
+- ray_startup, launch.engine=ray only: from connecting to (or starting) Ray to the first
+  worker group's start, out of startup;
 - reference: a preference run's reference log-probs, scored before training
   (preference.reference=precomputed; nothing when a resume reads them back);
 - generation: online RL's sampling (train.objective=grpo): each generation batch's
@@ -31,7 +33,8 @@ and runner/report/ prints the figures it is given.
 The launch's start is taken once, by runner.launch.start, and passed down as a value: to
 the worker in this process, or as an argument of the spawned workers' entry
 (runner.launch.launcher), which torch elastic hands to restarted workers unchanged, with
-the attempt's number (`TORCHELASTIC_RESTART_COUNT`; `restarts` in the report). A run
+the attempt's number (`TORCHELASTIC_RESTART_COUNT`; under Ray Train, launch.engine=ray, the
+launch's own `RUNNER_RESTART_COUNT`; `restarts` in the report). A run
 handed no start (runner certify's runs in turn, a rank joined from an outside launch)
 starts its own when the worker takes it. When the loop begins, and after each
 checkpoint, rank 0 records the ledger so far (`ledger.json` in the run folder, with the
@@ -54,14 +57,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # torch elastic's, in every worker it starts
+# The same count from a launch engine other than torch elastic (Ray Train: runner/launch/ray_engine.py)
+ATTEMPT_ENV = "RUNNER_RESTART_COUNT"
 LEDGER_FILENAME = "ledger.json"
 PARTS = ("startup", "reference", "generation", "compile", "steps", "data_wait", "evaluation", "checkpoint_saves", "lost_to_restarts")
+# A part only a launch engine's runs have: launch.engine=ray's start-up (connecting to or
+# starting Ray, placing and starting the worker group), out of `startup`, booked by the
+# first attempt from ENGINE_STARTUP_ENV (runner/launch/ray_engine.py sets it).
+ENGINE_PARTS = ("ray_startup",)
+ENGINE_STARTUP_ENV = "RUNNER_RAY_STARTUP_SECONDS"
 
 
 def restart_count() -> int:
     """How many times the workers of this launch were restarted (launch.max_restarts):
     0 in the first attempt."""
-    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get(RESTART_COUNT_ENV, "0") or 0)
 
 
 def process_started() -> float:
@@ -91,7 +101,7 @@ class Ledger:
 
     def add(self, part: str, seconds: float) -> None:
         """`seconds` went to `part` (during the loop: not to its steps)."""
-        self.parts[part] += max(seconds, 0.0)
+        self.parts[part] = self.parts.get(part, 0.0) + max(seconds, 0.0)
         if self._loop_started is not None:
             self._loop_elsewhere += seconds
         elif part not in ("startup", "lost_to_restarts"):
@@ -165,13 +175,16 @@ def resumed(run_dir: Path, launch: float, step: int) -> Ledger:
     loop begins; else a new ledger, marked with the attempt's number."""
     restarts = restart_count()
     ledger = Ledger(launch, restarts=restarts, attempt_start=process_started() if restarts else None)
+    engine_startup = float(os.environ.get(ENGINE_STARTUP_ENV) or 0)
+    if engine_startup and not restarts:  # a restart's is lost time, booked as such
+        ledger.add(ENGINE_PARTS[0], engine_startup)
     try:
         saved = json.loads((run_dir / LEDGER_FILENAME).read_text())
     except (OSError, ValueError):
         return ledger
     if saved.get("launch") != launch or saved.get("step") != step:
         return ledger  # another launch's, or not the checkpoint resumed
-    ledger.parts.update({k: float(v) for k, v in saved["parts"].items() if k in PARTS})
+    ledger.parts.update({k: float(v) for k, v in saved["parts"].items() if k in PARTS + ENGINE_PARTS})
     ledger.saves, ledger.save_seconds = int(saved["saves"]), float(saved["save_seconds"])
     ledger.first_step = int(saved.get("first_step", 0))
     ledger.resumed_at = float(saved["at"])

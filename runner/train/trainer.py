@@ -21,7 +21,8 @@ import torch
 from runner.components.compile import NO_COMPILE, compile_stats
 from runner.components.objectives.base import Objective
 from runner.report.metrics import Progress, evaluation_record
-from runner.train.checkpoint import checkpoint_dir, latest_checkpoint, load_rank_state, save_checkpoint
+from runner.train.checkpoint import (checkpoint_dir, checkpoint_saved, latest_checkpoint, load_rank_state,
+                                     save_checkpoint)
 from runner.train.ledger import Ledger, resumed, write_snapshot
 from runner.train.loop_state import LoopState, add_micro_batch, checkpoint_meta, close_step, restore_loop_state
 from runner.train.parts import Engine, LoopSettings, TrainData
@@ -202,6 +203,7 @@ class Trainer:
         self._elsewhere("checkpoint_saves", time.perf_counter() - started)
         if self.accelerator.is_main_process:  # a restart in this launch carries the ledger on from here
             write_snapshot(self.run_dir, self.ledger, self.state.step)
+        checkpoint_saved(path, {"step": self.state.step, "epoch": self.state.epoch})  # a launch engine's account
         return path
 
     def _save_checkpoint(self) -> Path:

@@ -114,3 +114,22 @@ def test_the_report_sums_the_parts_and_suggests_young_daly():
     assert suggested_interval(2.0, 1.0) == pytest.approx(interval)
     assert out["suggested_save_every"] == 240 and "train.save_every=100 is 0.42x that" in out["suggestion"]
     assert "suggestion" not in report(ledger, 100.0, 160, 100, mtbf_hours=None)
+
+
+def test_rays_start_up_is_a_part_of_its_own_in_ray_launches_only(tmp_path, monkeypatch):
+    """launch.engine=ray hands the first attempt its start-up (runner/launch/ray_engine.py):
+    booked apart, out of startup; a restart's is lost time; other launches have no such part."""
+    monkeypatch.delenv(ledger_module.ENGINE_STARTUP_ENV, raising=False)
+    monkeypatch.delenv(ledger_module.ATTEMPT_ENV, raising=False)
+    monkeypatch.delenv(RESTART_COUNT_ENV, raising=False)
+    assert "ray_startup" not in resumed(tmp_path, 100.0, 0).parts
+    monkeypatch.setenv(ledger_module.ENGINE_STARTUP_ENV, "7.5")
+    first = resumed(tmp_path, 100.0, 0)
+    first.begin(120.0, step=0)
+    assert first.parts["ray_startup"] == 7.5 and first.parts["startup"] == 12.5  # 20 s in all
+    write_snapshot(tmp_path, first, step=0)
+    monkeypatch.setenv(ledger_module.ATTEMPT_ENV, "1")  # Ray restarted the group
+    monkeypatch.setattr(ledger_module, "process_started", lambda: 130.0)
+    again = resumed(tmp_path, 100.0, 0)
+    assert again.restarts == 1 and again.parts["ray_startup"] == 7.5  # carried over, not booked twice
+    assert sum(report(first, 20.0, 0, 0, None)["parts_seconds"].values()) == pytest.approx(20.0)
