@@ -250,7 +250,9 @@ def grpo_case(name: str) -> Callable[[Check], Row]:
     def run(check: Check) -> Row:
         m = check.mode
         group, length = (8, 256) if m.name == "GPU" else (4, 8)
-        row, run_dir = check.runner(name, ["model.model_type=qwen2", f"model.config_overrides='{m.big}'",
+        # the recipe's model is its warm GPT-2: a Qwen2 from config instead, with GPT-2's tokenizer
+        row, run_dir = check.runner(name, ["model.name_or_path=null", "model.tokenizer_name=${asset:gpt2_tokenizer}",
+                                           "model.model_type=qwen2", f"model.config_overrides='{m.big}'",
                                            "precision=bf16", f"rl.num_generations={group}",
                                            f"rl.max_completion_length={length}", f"train.per_device_batch_size={2 * group}",
                                            "train.max_steps=6", "data.max_eval_samples=2"], recipe="gpt2_grpo_tiny")

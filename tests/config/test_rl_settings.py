@@ -13,7 +13,7 @@ from runner.config.validate import spec_problems
 @pytest.mark.parametrize("overrides, says", [
     (["rl.num_generations=1"], "rl.num_generations=1: a group needs at least 2"),
     (["train.per_device_batch_size=6"], "(6 completions: train.per_device_batch_size x 1 processes x accumulation) "
-                                        "does not hold whole groups of rl.num_generations=4"),
+                                        "does not hold whole groups of rl.num_generations=8"),
     (["rl.loss_type=bnpo"], "rl.loss_type=bnpo normalises over each micro-batch's own tokens"),
     (["rl.rewards=[]"], "rl.rewards is empty: declare at least one"),
     (["rl.temperature=0"], "rl.temperature=0.0 must be above 0"),

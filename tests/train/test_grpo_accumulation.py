@@ -19,8 +19,8 @@ from runs import run_cli
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["recipe=gpt2_grpo_tiny", "train.max_steps=3", "train.eval_every=0", "train.log_every=1",
-          "data.max_train_samples=6", "data.max_eval_samples=2", "tracking=none"]
+COMMON = ["recipe=gpt2_grpo_tiny", "rl.num_generations=4", "train.max_steps=3", "train.eval_every=0",
+          "train.log_every=1", "data.max_train_samples=6", "data.max_eval_samples=2", "tracking=none"]
 
 
 def run(run_dir: Path, layout: list[str]) -> Path:
@@ -46,7 +46,9 @@ def test_accumulation_samples_and_trains_what_one_micro_batch_does(tmp_path):
         assert a["reward"] == pytest.approx(b["reward"], rel=1e-6) and a["reward_std"] == pytest.approx(b["reward_std"], rel=1e-6)
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), step
-        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5), step
+        # step 1's entropy is 1e-7 apart; after Adam steps of the warm model (entropy 1.2 nats,
+        # peaked) the last-bit gradient differences of the two sums reach it: 3e-5 at step 3
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-4), step
         assert a["sampling/logp_difference/mean"] < 1e-5, step
     # the rewards really vary (a test on all-zero advantages would prove nothing)
     assert any(r["reward_std"] > 0 for r in theirs.values())

@@ -19,8 +19,8 @@ from runs import run_cli
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["recipe=gpt2_grpo_tiny", "train.eval_every=0", "train.log_every=1", "data.max_train_samples=6",
-          "data.max_eval_samples=2", "tracking=none", "rl.steps_per_generation=2", "train.save_every=3"]
+COMMON = ["recipe=gpt2_grpo_tiny", "rl.num_generations=4", "train.eval_every=0", "train.log_every=1",
+          "data.max_train_samples=6", "data.max_eval_samples=2", "tracking=none", "rl.steps_per_generation=2", "train.save_every=3"]
 DROPOUT = ["rl.disable_dropout=false"]
 ONE = ["train.per_device_batch_size=16"]
 

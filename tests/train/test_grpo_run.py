@@ -12,8 +12,9 @@ from runs import run_cli
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["recipe=gpt2_grpo_tiny", "train.max_steps=3", "train.eval_every=0", "train.log_every=1",
-          "data.max_train_samples=6", "data.max_eval_samples=2", "tracking=none", "rl.steps_per_generation=2"]
+COMMON = ["recipe=gpt2_grpo_tiny", "rl.num_generations=4", "train.per_device_batch_size=16", "train.max_steps=3",
+          "train.eval_every=0", "train.log_every=1", "data.max_train_samples=6", "data.max_eval_samples=2",
+          "tracking=none", "rl.steps_per_generation=2"]
 
 
 def test_a_run_writes_its_samples_and_books_their_generation_apart(tmp_path):
