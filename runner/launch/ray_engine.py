@@ -247,6 +247,8 @@ def train_loop(config: dict[str, Any]) -> None:
     # it is the device Ray bound the worker to (torch.cuda.set_device), kept.
     if os.environ.get("ACCELERATE_TORCH_DEVICE", "").startswith("cpu"):
         del os.environ["ACCELERATE_TORCH_DEVICE"]
+    if ray.train.get_context().get_world_size() == 1:
+        as_one_process(config["spec_path"])
     if os.path.isdir(config["cwd"]):  # the launcher's, where relative paths of the spec point
         os.chdir(config["cwd"])
     remove = add_checkpoint_hook(report_checkpoint)
@@ -254,6 +256,31 @@ def train_loop(config: dict[str, Any]) -> None:
         run_worker([config["spec_path"]], config["launched"])
     finally:
         remove()
+
+
+def as_one_process(spec_path: str) -> None:
+    """One worker runs as the default launch runs one, in the launcher's own process
+    (runner/launch/launcher.py `_run_in_process`): Ray Train made a process group of one and
+    set LOCAL_RANK, with which Accelerate counts the run as distributed (device cpu:0, not
+    cpu). The group goes; the torchrun variables stay only for a strategy that needs a group
+    of one (DeepSpeed), as there. RANK stays: this rank's failure note is filed under it."""
+    import torch.distributed as dist
+
+    from runner.config.spec import load_spec
+    from runner.distributed.strategies import build_strategy
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    spec = load_spec(Path(spec_path))
+    if not build_strategy(spec.strategy, spec.precision).needs_process_group():
+        for key in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        return
+    # A fresh port, as there: Ray's group held the one Ray chose.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]), WORLD_SIZE="1",
+                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 
 
 def report_checkpoint(path: Path, figures: dict[str, Any]) -> None:

@@ -199,3 +199,25 @@ def test_the_names_runner_calls_exist_in_the_installed_ray():
 
     assert 'logger = logging.getLogger(__name__)' in Path(util.__file__).read_text()
     assert "Error in training function" in Path(util.__file__).read_text()
+
+
+@pytest.mark.parametrize("strategy, kept", [("ddp", False), ("zero2", True)])
+def test_one_ray_worker_runs_as_the_launchers_own_process_does(strategy, kept, compose_spec, monkeypatch, tmp_path):
+    """Ray's variables for a world of one made Accelerate count the run as distributed (the
+    banner said cpu:0); they stay only where a strategy needs a group of one (DeepSpeed)."""
+    from runner.config.spec import spec_to_yaml
+
+    spec_path = tmp_path / "run_spec.yaml"
+    spec_path.write_text(spec_to_yaml(compose_spec("recipe=gpt2_clm_tiny", f"strategy={strategy}", "launch.engine=ray")))
+    ray_set = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
+               "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "41000"}
+    for key, value in ray_set.items():
+        monkeypatch.setenv(key, value)
+    ray_engine.as_one_process(str(spec_path))
+    import os
+
+    left = {key: os.environ.get(key) for key in ray_set}
+    if kept:
+        assert left["WORLD_SIZE"] == "1" and left["MASTER_ADDR"] == "127.0.0.1" and left["MASTER_PORT"] != "41000"
+    else:
+        assert left == {**dict.fromkeys(ray_set), "RANK": "0"}  # RANK: the rank's failure note is filed under it
