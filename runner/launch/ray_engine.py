@@ -164,21 +164,30 @@ def check_resources(launch: LaunchSpec, resources: dict[str, float], address: st
 def launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
     """Run the frozen spec's workers under Ray Train; returns when the run finished,
     raises RunFailed (or UserError) otherwise."""
+    # Ray's switches hold for this launch only: a sweep's next job, in this process, starts clean.
+    saved = {key: os.environ.get(key) for key in {**RAY_TRAIN_SETTINGS, **LOCAL_RAY_SETTINGS}}
     for key, value in RAY_TRAIN_SETTINGS.items():
         os.environ.setdefault(key, value)
     connecting = time.time()  # the goodput ledger's ray_startup part starts here
-    disconnect = connect(spec.launch)
     try:
-        import ray
+        disconnect = connect(spec.launch)
+        try:
+            import ray
 
-        use_gpu = check_resources(spec.launch, ray.cluster_resources(), spec.launch.ray_address)
-        with failure_notes.collecting() as notes:  # named in the workers' environment
-            try:
-                fit(spec, spec_path, launched, use_gpu, connecting)
-            except _training_failed() as err:
-                raise _run_failed(err, failure_notes.read(notes)) from None
+            use_gpu = check_resources(spec.launch, ray.cluster_resources(), spec.launch.ray_address)
+            with failure_notes.collecting() as notes:  # named in the workers' environment
+                try:
+                    fit(spec, spec_path, launched, use_gpu, connecting)
+                except _training_failed() as err:
+                    raise _run_failed(err, failure_notes.read(notes)) from None
+        finally:
+            disconnect()
     finally:
-        disconnect()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def fit(spec: RunSpec, spec_path: Path, launched: Optional[float], use_gpu: bool, connecting: float) -> "Result":

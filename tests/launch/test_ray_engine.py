@@ -221,3 +221,26 @@ def test_one_ray_worker_runs_as_the_launchers_own_process_does(strategy, kept, c
         assert left["WORLD_SIZE"] == "1" and left["MASTER_ADDR"] == "127.0.0.1" and left["MASTER_PORT"] != "41000"
     else:
         assert left == {**dict.fromkeys(ray_set), "RANK": "0"}  # RANK: the rank's failure note is filed under it
+
+
+def test_rays_switches_hold_for_the_launch_only(monkeypatch, tmp_path):
+    """A sweep runs its jobs in the launcher's process: the next job starts without them."""
+    import os
+
+    for key in {**ray_engine.RAY_TRAIN_SETTINGS, **ray_engine.LOCAL_RAY_SETTINGS}:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "1")  # the user's own, kept
+    seen = {}
+
+    def fake_connect(launch):
+        os.environ.update(ray_engine.LOCAL_RAY_SETTINGS)
+        seen.update(os.environ)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(ray_engine, "connect", fake_connect)
+    with pytest.raises(UserError):
+        ray_engine.launch(RunSpec(), tmp_path / "run_spec.yaml", None)
+    assert seen["RAY_TRAIN_V2_ENABLED"] == "1" and seen["RAY_CHDIR_TO_TRIAL_DIR"] == "0"
+    assert os.environ["RAY_DEDUP_LOGS"] == "1"
+    assert not [key for key in {**ray_engine.RAY_TRAIN_SETTINGS, **ray_engine.LOCAL_RAY_SETTINGS}
+                if key != "RAY_DEDUP_LOGS" and key in os.environ]
