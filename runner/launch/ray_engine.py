@@ -319,7 +319,8 @@ def _run_failed(err: BaseException, notes: list[failure_notes.FailureNote]) -> R
     failures = getattr(err, "worker_failures", None)
     if failures:  # a rank that could not write its note (another machine's /tmp, killed)
         rank = min(failures)
-        return RunFailed(f"worker rank {rank} failed under Ray Train: {_first_line(failures[rank]) or type(failures[rank]).__name__}")
+        reason = _first_line(failures[rank]) or type(failures[rank]).__name__
+        return RunFailed(f"worker rank {rank} failed under Ray Train: {reason}")
     cause = getattr(err, "controller_failure", err)
     return RunFailed(f"Ray Train failed: {type(cause).__name__}: {_first_line(cause)}")
 

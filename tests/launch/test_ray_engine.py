@@ -208,7 +208,8 @@ def test_one_ray_worker_runs_as_the_launchers_own_process_does(strategy, kept, c
     from runner.config.spec import spec_to_yaml
 
     spec_path = tmp_path / "run_spec.yaml"
-    spec_path.write_text(spec_to_yaml(compose_spec("recipe=gpt2_clm_tiny", f"strategy={strategy}", "launch.engine=ray")))
+    spec = compose_spec("recipe=gpt2_clm_tiny", f"strategy={strategy}", "launch.engine=ray")
+    spec_path.write_text(spec_to_yaml(spec))
     ray_set = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "0",
                "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "41000"}
     for key, value in ray_set.items():
