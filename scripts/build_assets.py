@@ -380,7 +380,7 @@ def build_arith(dest: Path) -> None:
         # `completion`, the answer as it follows the prompt, is what SFT trains (recipe
         # gpt2_arith_sft). With its space: each is one GPT-2 piece either way (" 169", "169"),
         # but the tiny model learned " 169" and not "169" (held-out exact match after 1,000
-        # steps: 13% against 1%, the "169" model answering the most common sum to every prompt).
+        # steps: 14% against 2%, the "169" model answering the most common sum to every prompt).
         records.append({"prompt": f"What is {a} + {b}? Answer:", "answer": str(a + b), "completion": f" {a + b}"})
     size = write_jsonl_gz(dest / ARITH_FILE, records)
     print(f"arithmetic prompts: {len(records):,}, {size:,} bytes gzipped")
