@@ -176,11 +176,17 @@ def check_launch(spec: RunSpec) -> list[str]:
                         "launch.engine=ray, or remove launch.ray_address.")
     if launch.nnodes > 1 and not launch.rdzv_endpoint and launch.engine is not LaunchEngine.ray:
         problems.append("launch.nnodes>1 needs launch.rdzv_endpoint=HOST:PORT (node 0's address), the same on every node.")
-    if launch.rdzv_endpoint is not None:
-        host, _, port = launch.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            problems.append(f"launch.rdzv_endpoint={launch.rdzv_endpoint} must be HOST:PORT, e.g. 10.0.0.1:29500.")
+    if launch.rdzv_endpoint is not None and host_port(launch.rdzv_endpoint) is None:
+        problems.append(f"launch.rdzv_endpoint={launch.rdzv_endpoint} must be HOST:PORT, e.g. 10.0.0.1:29500.")
     return problems
+
+
+def host_port(address: str) -> Optional[tuple[str, int]]:
+    """A HOST:PORT address as (host, port), the port in 1..65535; None when it is not one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
 
 
 def _ray_launch_problems(launch: LaunchSpec) -> list[str]:
@@ -194,8 +200,7 @@ def _ray_launch_problems(launch: LaunchSpec) -> list[str]:
             "cluster's nodes): run the command once, on one machine, without launch.node_rank and "
             "launch.rdzv_endpoint (those are the torch rendezvous's, launch.engine=local).")
     address = launch.ray_address
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if address != "auto" and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+    if address != "auto" and host_port(address.removeprefix("ray://")) is None:
         problems.append(f"launch.ray_address={address} must be auto, HOST:PORT or ray://HOST:PORT (the Ray head's "
                         "address, as `ray start --head` prints it), e.g. launch.ray_address=10.0.0.1:6379.")
     return problems

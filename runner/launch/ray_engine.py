@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from runner.config.errors import RunFailed, UserError
 from runner.config.spec import LaunchSpec, RunSpec
+from runner.config.validate import host_port
 from runner.distributed.world import world_size
 from runner.launch import failure_notes
 from runner.launch.worker_entry import run_worker
@@ -138,11 +139,12 @@ def probe(address: str, timeout_s: float = PROBE_SECONDS) -> str:
     """Why nothing listens at a HOST:PORT (or ray://HOST:PORT) address, '' when something
     does. ray.init retries an address nobody listens at without end (seen: over 5 minutes,
     a warning every 30 s), so the launcher asks once, bounded, first."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
+    parsed = host_port(address.removeprefix("ray://"))
+    if parsed is None:
         return ""  # not HOST:PORT (RAY_ADDRESS=auto, ...): Ray resolves it
+    host, port = parsed
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host, port), timeout=timeout_s):
             return ""
     except OSError as err:
         return f"{host}:{port}: {err.strerror or type(err).__name__}"
