@@ -70,6 +70,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Without the probe, ray.init retries the address without end: fail in a minute, not at
+# pytest-timeout's 15 (seen with the address parser broken on purpose).
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("via", ["launch.ray_address", "RAY_ADDRESS"])
 def test_an_unreachable_address_is_refused_in_one_line_without_waiting_on_ray(via, monkeypatch):
     """ray.init retries an address nobody listens at for minutes on end; the launcher asks first."""
