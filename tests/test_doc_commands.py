@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from runner.config.validate import spec_problems
+from runner.launch.elastic import elastic_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml"))]
@@ -121,5 +122,5 @@ def test_a_shown_command_runs(compose_spec, where, command):
             spec = replace(spec, train=replace(spec.train, per_device_batch_size=1))
         nproc = str(spec.launch.nproc_per_node)
         world = int(nproc) * spec.launch.nnodes if nproc.isdigit() else 1
-        problems = spec_problems(spec, world_size=world)
+        problems = spec_problems(spec, world_size=world) + elastic_problems(spec, world)
         assert problems == [], f"{where}: {command}\n  {' '.join(overrides)}\n  -> {problems}"

@@ -47,3 +47,15 @@ def accumulation_for(train: TrainSpec, world_size: int) -> tuple[int, list[str]]
             f"(which needs {derived}). Set only one of them."
         ]
     return derived, []
+
+
+def accumulation_at(train: TrainSpec, world_size: int) -> int:
+    """launch.min_workers (Ray's elastic range): the accumulation that keeps the global batch
+    the launcher froze (train.global_batch_size) on a worker group of `world_size`; the
+    launcher checked that every size in the range divides it (runner/launch/elastic.py)."""
+    assert train.global_batch_size is not None, "an elastic run's spec carries its global batch"
+    per_step = global_batch_size(train.per_device_batch_size, world_size, 1)
+    if train.global_batch_size % per_step:
+        raise ValueError(f"a group of {world_size} workers cannot hold the global batch of {train.global_batch_size} "
+                         f"in micro-batches of {train.per_device_batch_size}")
+    return train.global_batch_size // per_step

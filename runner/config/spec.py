@@ -308,6 +308,14 @@ class LaunchSpec:
     usage stats off) and stopped after it. HOST:PORT or ray://HOST:PORT: a running
     cluster's head (`ray start --head` prints it); the run folder must be on storage that
     every node of it sees."""
+    min_workers: Optional[int] = None
+    """launch.engine=ray only: elastic. The fewest workers the run goes on with (Ray Train's
+    num_workers=(min_workers, launch.nnodes x launch.nproc_per_node)). Ray starts as many as
+    the cluster holds, at least this many; after a worker or node is lost it restarts the
+    group on what is left (launch.max_restarts >= 1 needed), and grows it again when
+    resources come back. Each group resumes from the newest checkpoint on its own world
+    size with the global batch kept: the accumulation is derived at each size, so each
+    must divide the global batch. null: always all of them."""
 
 
 @dataclass

@@ -50,6 +50,9 @@ def check_request(spec: RunSpec, world: Optional[int]) -> None:
     elif world and t.global_batch_size is not None and t.global_batch_size % world:
         problems.append(f"train.global_batch_size={t.global_batch_size} does not divide among {world} processes. "
                         "Change train.global_batch_size or launch.nproc_per_node.")
+    if spec.launch.min_workers is not None:  # every group size would have to hold the micro-batch it picks
+        problems.append("train.per_device_batch_size=auto picks the micro-batch for one world size; an elastic run "
+                        "(launch.min_workers) runs at several: give train.per_device_batch_size.")
     if spec.launch.nnodes > 1:
         problems.append("train.per_device_batch_size=auto runs on one node (its probe would have to run on every node "
                         "in step): plan the micro-batch with dry_run=true launch.device_memory=<GPU>, then set "

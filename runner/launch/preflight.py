@@ -36,6 +36,7 @@ from runner.config.errors import UserError
 from runner.config.spec import DataFormat, LaunchEngine, PrecisionKind, RunSpec, StrategyKind
 from runner.config.validate import spec_problems
 from runner.distributed.strategy import MIXED_PRECISION
+from runner.launch.elastic import elastic_problems
 from runner.report.benchmarks import check as check_benchmarks
 from runner.train.checkpoint import is_complete
 from runner.train.resume import not_a_checkpoint
@@ -264,7 +265,7 @@ CHECKS: tuple[Callable[[RunSpec], list[str]], ...] = (
 def validate(spec: RunSpec, world_size: Optional[int] = 1) -> None:
     """Raise one UserError listing every problem found, the spec's own (config/validate.py)
     and this machine's, model's and data's. world_size None: launch.* is invalid."""
-    problems = spec_problems(spec, world_size)
+    problems = spec_problems(spec, world_size) + elastic_problems(spec, world_size)
     for check in CHECKS:
         problems += check(spec)
     if problems:

@@ -22,6 +22,13 @@ number (`RUNNER_RESTART_COUNT`, runner/train/ledger.py) and resumes from the new
 complete checkpoint, as a torch elastic restart does; the goodput ledger books the time
 lost.
 
+Elastic (launch.min_workers): Ray Train gets the range num_workers=(min_workers, all of
+them), sizes each group by what the cluster holds, and restarts it smaller after a loss or
+larger when resources return. Each group's ranks plan for its size and derive their
+accumulation from the global batch the launcher froze into the spec
+(runner/train/worker.py `run`), so every group resumes the newest checkpoint as a resume
+on another world size does; runner/launch/elastic.py refuses a range that could not.
+
 Failures: a rank that raises notes why where the launcher reads it
 (runner/launch/failure_notes.py); the launcher prints that rank's traceback once and
 exits non-zero, as for a torch elastic launch. Ray's own copies of it (the worker's log
@@ -41,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from runner.config.errors import RunFailed, UserError
 from runner.config.spec import LaunchSpec, RunSpec
 from runner.config.validate import host_port
-from runner.distributed.world import world_size
+from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, world_size
 from runner.launch import failure_notes
 from runner.launch.worker_entry import run_worker
 from runner.train.checkpoint import add_checkpoint_hook
@@ -150,16 +157,28 @@ def probe(address: str, timeout_s: float = PROBE_SECONDS) -> str:
         return f"{host}:{port}: {err.strerror or type(err).__name__}"
 
 
+def num_workers(launch: LaunchSpec) -> int | tuple[int, int]:
+    """Ray Train's num_workers: all of them, or with launch.min_workers the elastic range."""
+    most = workers(launch)
+    fewest = launch.min_workers
+    return most if fewest is None or fewest == most else (fewest, most)
+
+
 def check_resources(launch: LaunchSpec, resources: dict[str, float], address: str) -> bool:
     """Whether the workers get a GPU each (the cluster has GPUs); refuses, in one line, more
-    workers than the cluster has GPUs (or CPUs, one a worker, without GPUs)."""
+    workers than the cluster has GPUs (or CPUs, one a worker, without GPUs): all of them, or
+    under launch.min_workers the fewest (Ray starts with what there is, and grows the group)."""
     wanted, gpus, cpus = workers(launch), int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
     kind, have = ("GPUs", gpus) if gpus else ("CPUs", cpus)
-    if wanted > have:
+    if launch.min_workers is not None and launch.min_workers > have:
+        raise UserError(
+            f"launch.min_workers={launch.min_workers} Ray workers at least, but the Ray cluster ({address}) has "
+            f"{have} {kind} (one a worker): lower launch.min_workers to fit, or add nodes to the cluster.")
+    if launch.min_workers is None and wanted > have:
         raise UserError(
             f"launch.nnodes x launch.nproc_per_node = {wanted} Ray workers, but the Ray cluster ({address}) has "
-            f"{have} {kind} (one a worker): lower launch.nproc_per_node or launch.nnodes to fit, or add nodes "
-            "to the cluster.")
+            f"{have} {kind} (one a worker): lower launch.nproc_per_node or launch.nnodes to fit, set "
+            "launch.min_workers to go on with fewer, or add nodes to the cluster.")
     return gpus > 0
 
 
@@ -199,12 +218,16 @@ def fit(spec: RunSpec, spec_path: Path, launched: Optional[float], use_gpu: bool
     from ray.train.torch import TorchConfig, TorchTrainer
 
     run_dir = Path(spec.run_dir).resolve()
-    attempts = ray.remote(num_cpus=0)(AttemptCounter).remote()
+    # On the launcher's node, as Ray Train's controller is: a node lost with the workers on it
+    # must not take the count with it.
+    here = {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
+    attempts = ray.remote(num_cpus=0, label_selector=here)(AttemptCounter).remote()
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec_path": str(spec_path), "launched": launched, "attempts": attempts,
-                           "cwd": os.getcwd(), "connecting": connecting},
-        scaling_config=ScalingConfig(num_workers=workers(spec.launch), use_gpu=use_gpu),
+                           "cwd": os.getcwd(), "connecting": connecting,
+                           "elastic": isinstance(num_workers(spec.launch), tuple)},
+        scaling_config=ScalingConfig(num_workers=num_workers(spec.launch), use_gpu=use_gpu),
         torch_config=TorchConfig(timeout_s=int(spec.launch.timeout_minutes * 60)),
         run_config=RunConfig(
             # Ray's experiment folder is the run folder: the checkpoints reported are already in it.
@@ -258,7 +281,13 @@ def train_loop(config: dict[str, Any]) -> None:
     # it is the device Ray bound the worker to (torch.cuda.set_device), kept.
     if os.environ.get("ACCELERATE_TORCH_DEVICE", "").startswith("cpu"):
         del os.environ["ACCELERATE_TORCH_DEVICE"]
-    if ray.train.get_context().get_world_size() == 1:
+    world = ray.train.get_context().get_world_size()
+    # An elastic group (launch.min_workers) is as large as the cluster allowed: the world size
+    # its ranks plan for and derive their accumulation at (runner/train/worker.py `run`).
+    # Ray keeps it in the range; a fixed group is the launcher's plan, checked as planned.
+    if config["elastic"]:
+        os.environ[PLANNED_WORLD_SIZE_ENV] = str(world)
+    if world == 1:
         as_one_process(config["spec_path"])
     if os.path.isdir(config["cwd"]):  # the launcher's, where relative paths of the spec point
         os.chdir(config["cwd"])

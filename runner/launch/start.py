@@ -26,6 +26,7 @@ from runner.distributed.world import world_size
 from runner.launch import auto_batch, failure_notes, fit
 from runner.launch.accelerate_config import apply_accelerate_config
 from runner.launch.dry_run import report
+from runner.launch.elastic import freeze_global_batch
 from runner.launch.launcher import launch, start_server_early
 from runner.launch.preflight import check_stream_step, prepare_data, validate
 from runner.launch.rundir import continues_in_place, freeze, prepare_run_dir
@@ -63,6 +64,13 @@ def start(
             evaluate_and_show(spec, run_dir.resolve())
 
 
+def settle_batch(spec: RunSpec, world: int) -> None:
+    """train.global_batch_size decides the accumulation at this world size; an elastic run
+    (launch.min_workers) keeps its global batch in the spec, for each group to derive its own."""
+    spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
+    freeze_global_batch(spec, world)
+
+
 def claim(
     spec: RunSpec,
     run_dir: Path,
@@ -91,8 +99,8 @@ def claim(
     if auto:  # settled below, once the data's block size is known; 1 until then
         auto_batch.check_request(spec, world)
         spec.train.per_device_batch_size = 1
-    if world is not None:  # train.global_batch_size decides the accumulation at this world size
-        spec.train.grad_accum_steps = accumulation_for(spec.train, world)[0]
+    if world is not None:
+        settle_batch(spec, world)
     validate(spec, world)
     data = prepare_data(spec, world or 1)
     room = fit.budget(spec, world)

@@ -71,6 +71,7 @@ HARMLESS = frozenset({
     "launch.device_memory", "launch.check_fit",  # the hardware a resume lands on: it may choose another layout
     "launch.mtbf_hours",  # only the checkpoint interval a run suggests
     "launch.engine", "launch.ray_address",  # who starts the same workers (torch elastic or Ray Train), and where
+    "launch.min_workers",  # how few workers Ray may go on with: each group keeps the global batch
     "sweep.parity_baseline", "sweep.retry_failed",
     # benchmark evaluation of the saved model, after training: not what training computes
     "eval.tasks", "eval.num_fewshot", "eval.limit", "eval.batch_size", "eval.device", "eval.dtype",

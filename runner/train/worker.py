@@ -57,7 +57,7 @@ from runner.components.objectives.base import ObjectiveSetup
 from runner.components.objectives.frozen import frozen_reference
 from runner.components.objectives.reference import build_reference
 from runner.components.optim import build_optimizer, build_scheduler, effective_lr
-from runner.config.batch import global_batch
+from runner.config.batch import accumulation_at, global_batch
 from runner.config.errors import USAGE_EXIT_CODE, TrainingStopped
 from runner.config.mixture import row_format, source_names
 from runner.config.spec import DataFormat, ObjectiveKind, RunSpec, flat_spec_dict, load_spec, spec_to_yaml
@@ -115,6 +115,8 @@ def run(spec: Optional[RunSpec], launched: Optional[float] = None) -> dict[str, 
         init_process_group(spec.launch.timeout_minutes if spec is not None else 30.0)
         spec = agree_on_spec(spec)
     assert spec is not None, "a single process always has its spec"
+    if spec.launch.min_workers is not None:  # Ray's elastic range: this group's size, the global batch kept
+        spec.train.grad_accum_steps = accumulation_at(spec.train, planned_world_size(spec.launch))
     return train(spec, launched)
 
 
