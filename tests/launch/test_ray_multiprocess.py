@@ -83,7 +83,9 @@ class RayCluster:
         return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else -1
 
     def add_node(self) -> subprocess.Popen:
-        node = self._start("second", f"--address={self.address}")
+        # One log monitor a machine, the head's: it reads every node's logs here (one temp
+        # folder), and a second would send each worker's lines to the launcher twice.
+        node = self._start("second", f"--address={self.address}", "--include-log-monitor=false")
         deadline = time.time() + 120
         while self.cpus() < 2:
             assert node.poll() is None and time.time() < deadline, f"the second node did not join: {self._log('second')}"
@@ -153,9 +155,11 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
         sys.stderr.write(line + "\n")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_head(ray_cluster: RayCluster) -> str:
-    """The cluster's address, as launch.ray_address names it."""
+    """The cluster's address, as launch.ray_address names it, with both nodes up (a test
+    before may have lost the second)."""
+    ray_cluster.restore_second_node()
     return ray_cluster.address
 
 
@@ -173,12 +177,13 @@ def ray_cmd(address: str, run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ray_runs(ray_head, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def ray_runs(ray_cluster, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     root = tmp_path_factory.mktemp("ray_launch")
     runs = {}
     for name, extra in STRATEGIES.items():
         run_dir = root / name
-        runs[name] = (run_dir, run_or_dump(ray_cmd(ray_head, run_dir, *extra), dict(os.environ), timeout=RAY_TIMEOUT))
+        runs[name] = (run_dir, run_or_dump(ray_cmd(ray_cluster.address, run_dir, *extra), dict(os.environ),
+                                           timeout=RAY_TIMEOUT))
     return runs
 
 
@@ -272,7 +277,8 @@ def test_a_failing_ray_run_exits_non_zero_with_its_error_once(ray_head, tmp_path
     print(f"failure: exit {done.returncode}; {last}")
 
 
-def test_a_lost_node_leaves_a_smaller_group_that_ends_as_the_uninterrupted_run(ray_cluster, reference, tmp_path):
+def test_a_lost_node_leaves_a_smaller_group_that_ends_as_the_uninterrupted_run(ray_cluster, ray_head, reference,
+                                                                                tmp_path):
     """Elastic (launch.min_workers=1): 2 workers, one on each node. Once the step-8
     checkpoint is reported, the second node goes away with its worker. Ray restarts the
     group on the one CPU left; it resumes step 8 on 1 worker at 2 x accumulation (the
@@ -298,12 +304,12 @@ def test_a_lost_node_leaves_a_smaller_group_that_ends_as_the_uninterrupted_run(r
     loser = threading.Thread(target=lose_the_node_at_step_10, daemon=True)
     loser.start()
     try:
-        done = run_or_dump(ray_cmd(ray_cluster.address, run_dir, DROPOUT_OFF, "launch.min_workers=1",
-                                   "launch.max_restarts=1"), env, timeout=RAY_TIMEOUT)
+        done = run_or_dump(ray_cmd(ray_head, run_dir, DROPOUT_OFF, "launch.min_workers=1", "launch.max_restarts=1"),
+                           env, timeout=RAY_TIMEOUT)
     finally:
-        loser.join(timeout=RAY_TIMEOUT)
-        ray_cluster.restore_second_node()  # for any test after this one
+        loser.join(timeout=RAY_TIMEOUT)  # the next test that needs the node brings it back (ray_head)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stderr.count("runner: starting") == 2  # the console: each group's banner, once
     log = (run_dir / "run.log").read_text()
     assert f"resumed from {run_dir / 'checkpoints' / 'step_8'} at step 8" in log, log[-3000:]
     banners = [line for line in log.splitlines() if "global batch" in line]
