@@ -363,19 +363,33 @@ def nothing_fits(planner: Planner, strategy: str, share: int, limit: float) -> s
 
 
 def check_fit(spec: RunSpec, planner: Planner, room: Budget) -> None:
-    """Refuse, in one line, a run predicted not to fit (launch.check_fit=false lets it start)."""
+    """Refuse, in one line, a run predicted not to fit (launch.check_fit=false lets it start).
+    An elastic run (launch.min_workers) must fit in its smallest group too: sharded states
+    (ZeRO, FSDP) are split among fewer ranks there, so each holds more."""
     if not spec.launch.check_fit:
         return
+    planned = _check_fit_at(spec, planner, room)
+    fewest = spec.launch.min_workers
+    if planned and fewest is not None and fewest < planner.world:
+        try:
+            _check_fit_at(spec, Planner(spec, planner.block_size, fewest, planner.gpu), budget(spec, fewest))
+        except UserError as err:
+            raise UserError(f"launch.min_workers={fewest}: in a group of {fewest} worker(s), {err.problems[0]} Or "
+                            "raise launch.min_workers.") from None
+
+
+def _check_fit_at(spec: RunSpec, planner: Planner, room: Budget) -> bool:
+    """Whether there was a plan to check (refused when it does not fit)."""
     strategy = spec.strategy.kind.value
     try:
         estimate = planner.estimate(strategy)
     except Exception as err:  # a model the fake-tensor trace cannot run must still train
         sys.stderr.write(f"runner: note: no memory plan for this model ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); the run starts unchecked\n")
-        return
+        return False
     peak = estimate.device_total
     if peak <= room.bytes_per_rank:
-        return
+        return True
     raise UserError(f"this run is predicted not to fit: {gib(peak)} per rank{decided(estimate)} under {strategy} at "
                     f"micro-batch {spec.train.per_device_batch_size}, {gib(room.bytes_per_rank)} available on "
                     f"{room.described}; {fit_fixes(planner, strategy, estimate, room.bytes_per_rank)} (dry_run=true "

@@ -135,3 +135,31 @@ def test_an_automatic_micro_batch_is_refused_for_an_elastic_run():
         auto_batch.check_request(spec, 2)
     spec.launch.min_workers = None
     auto_batch.check_request(spec, 2)  # the same request, not elastic: accepted
+
+
+def test_the_smallest_group_must_fit_where_sharded_states_grow_per_rank(compose_spec):
+    """ZeRO-3 splits the weights, gradients and Adam's moments among the ranks: one worker
+    holds twice what each of two holds. Memory between the two peaks fits the full group
+    and not the smallest: refused, naming launch.min_workers; a ddp run holds the same per
+    rank at any size."""
+    from runner.launch import fit
+
+    def spec_with(strategy: str, memory: str = "80GB") -> RunSpec:
+        return compose_spec("recipe=gpt2_clm_tiny", f"strategy={strategy}", "launch.engine=ray", "launch.nproc_per_node=2",
+                            "launch.min_workers=1", "launch.max_restarts=1", "data.block_size=64",
+                            f"launch.device_memory={memory}")
+
+    zero3 = spec_with("zero3")
+    two, one = (fit.Planner(zero3, 64, world).estimate("zero3").device_total for world in (2, 1))
+    assert one > two
+    between = spec_with("zero3", f"{(one + two) / 2 / 2**20:.0f}MiB")
+    with pytest.raises(UserError) as refused:
+        fit.check_fit(between, fit.Planner(between, 64, 2), fit.budget(between, 2))
+    [problem] = refused.value.problems
+    assert problem.startswith("launch.min_workers=1: in a group of 1 worker(s), this run is predicted not to fit")
+    assert problem.endswith("Or raise launch.min_workers.")
+    between.launch.min_workers = None  # the same run, not elastic: it fits
+    fit.check_fit(between, fit.Planner(between, 64, 2), fit.budget(between, 2))
+    ddp = spec_with("ddp")
+    two, one = (fit.Planner(ddp, 64, world).estimate("ddp").device_total for world in (2, 1))
+    assert one == two
