@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from runner.launch.environ import restored
+
 NOTES_ENV = "RUNNER_FAILURE_NOTES"
 
 
@@ -76,16 +78,13 @@ def watch_fatal_signals() -> None:
 def collecting() -> Iterator[Path]:
     """A folder for this launch's notes, named in the environment workers start with
     (set it before a forked worker's environment is taken); removed afterwards."""
-    folder, previous = Path(tempfile.mkdtemp(prefix="runner-failures-")), os.environ.get(NOTES_ENV)
-    os.environ[NOTES_ENV] = str(folder)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        if previous is None:
-            os.environ.pop(NOTES_ENV, None)
-        else:
-            os.environ[NOTES_ENV] = previous
+    folder = Path(tempfile.mkdtemp(prefix="runner-failures-"))
+    with restored([NOTES_ENV]):
+        os.environ[NOTES_ENV] = str(folder)
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def read(folder: Path) -> list[FailureNote]:

@@ -32,6 +32,7 @@ from runner.distributed.strategies import build_strategy
 from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, resolve_nproc, world_size
 from runner.launch import failure_notes
 from runner.launch.cpus import usable_cpus
+from runner.launch.environ import restored
 from runner.launch.rendezvous import check_endpoint, rendezvous_configs, rendezvous_failure
 from runner.launch.start_method import Environment, adopt, environment_for, resolve
 from runner.launch.worker_entry import run_worker
@@ -145,15 +146,9 @@ def planned_world(spec: RunSpec) -> Iterator[None]:
     # The plan is inherited by spawned workers, and only by them: left in this process's
     # environment, a later launch from it (a test session, a torchrun started by a sweep
     # job) would hand a stale plan to ranks that never saw this launcher.
-    previous = os.environ.get(PLANNED_WORLD_SIZE_ENV)
-    os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))
-    try:
+    with restored([PLANNED_WORLD_SIZE_ENV]):
+        os.environ[PLANNED_WORLD_SIZE_ENV] = str(world_size(spec.launch))
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(PLANNED_WORLD_SIZE_ENV, None)
-        else:
-            os.environ[PLANNED_WORLD_SIZE_ENV] = previous
 
 
 def start_server_early(spec: RunSpec) -> None:

@@ -50,6 +50,7 @@ from runner.config.spec import LaunchSpec, RunSpec
 from runner.config.validate import host_port
 from runner.distributed.world import PLANNED_WORLD_SIZE_ENV, world_size
 from runner.launch import failure_notes
+from runner.launch.environ import restored
 from runner.launch.worker_entry import run_worker
 from runner.train.checkpoint import add_checkpoint_hook
 from runner.train.ledger import ATTEMPT_ENV, ENGINE_STARTUP_ENV
@@ -186,11 +187,10 @@ def launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
     """Run the frozen spec's workers under Ray Train; returns when the run finished,
     raises RunFailed (or UserError) otherwise."""
     # Ray's switches hold for this launch only: a sweep's next job, in this process, starts clean.
-    saved = {key: os.environ.get(key) for key in {**RAY_TRAIN_SETTINGS, **LOCAL_RAY_SETTINGS}}
-    for key, value in RAY_TRAIN_SETTINGS.items():
-        os.environ.setdefault(key, value)
-    connecting = time.time()  # the goodput ledger's ray_startup part starts here
-    try:
+    with restored({**RAY_TRAIN_SETTINGS, **LOCAL_RAY_SETTINGS}):
+        for key, value in RAY_TRAIN_SETTINGS.items():
+            os.environ.setdefault(key, value)
+        connecting = time.time()  # the goodput ledger's ray_startup part starts here
         disconnect = connect(spec.launch)
         try:
             import ray
@@ -203,12 +203,6 @@ def launch(spec: RunSpec, spec_path: Path, launched: Optional[float]) -> None:
                     raise _run_failed(err, failure_notes.read(notes)) from None
         finally:
             disconnect()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def fit(spec: RunSpec, spec_path: Path, launched: Optional[float], use_gpu: bool, connecting: float) -> "Result":
@@ -222,12 +216,12 @@ def fit(spec: RunSpec, spec_path: Path, launched: Optional[float], use_gpu: bool
     # must not take the count with it.
     here = {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}
     attempts = ray.remote(num_cpus=0, label_selector=here)(AttemptCounter).remote()
+    count = num_workers(spec.launch)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec_path": str(spec_path), "launched": launched, "attempts": attempts,
-                           "cwd": os.getcwd(), "connecting": connecting,
-                           "elastic": isinstance(num_workers(spec.launch), tuple)},
-        scaling_config=ScalingConfig(num_workers=num_workers(spec.launch), use_gpu=use_gpu),
+                           "cwd": os.getcwd(), "connecting": connecting, "elastic": isinstance(count, tuple)},
+        scaling_config=ScalingConfig(num_workers=count, use_gpu=use_gpu),
         torch_config=TorchConfig(timeout_s=int(spec.launch.timeout_minutes * 60)),
         run_config=RunConfig(
             # Ray's experiment folder is the run folder: the checkpoints reported are already in it.
